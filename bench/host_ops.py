@@ -283,6 +283,14 @@ def paths(spec: QuantSpec, w: torch.Tensor):
         observe._IN_PASS.set(True)  # the hooks observe the pass's own forwards only
         return slot, pre
 
+    def runtime_hook():  # a run-time (dynamic) role's input: its NaN / inf flag, the sample
+        slot = observe.Slot("layer", "input", None, runtime_check="memoryless_minmax")
+        slot.seen_non_finite = w.new_zeros((), dtype=torch.bool)
+        slot.sample = RowSample(8 * w.shape[0], None, torch.Generator().manual_seed(0))
+        pre, _ = observe._hook([slot])
+        observe._IN_PASS.set(True)
+        return slot, pre
+
     def histogram():  # the w8a8-histogram preset's activation observer, a grid made
         obs = qs.get_observer("histogram", spec).to(w.device)
         obs(w)
@@ -294,6 +302,7 @@ def paths(spec: QuantSpec, w: torch.Tensor):
 
     return {
         "calibrate hook": (hook, call_hook),
+        "calibrate hook, run-time role": (runtime_hook, call_hook),
         "observer forward": (observer, lambda obs: obs(w)),
         "histogram observer forward": (histogram, lambda obs: obs(w)),
         "EMA observer forward": (running, lambda obs: obs(w)),

@@ -356,8 +356,9 @@ def _overflowing(model):
 
 @pytest.mark.parametrize("recipe", ["w8a8-dynamic", "mxfp4"])
 def test_a_dynamic_role_seeing_inf_names_the_layer(recipe):
-    with pytest.raises(ValueError, match=r"calibrate: layer '2' input: a calibration batch "
-                                         r"brought NaN or inf values \(dynamic role"):
+    with pytest.raises(ValueError, match=r"calibrate: layer '2' input: calibration batch 0 "
+                                         r"\(counting from 0\) brought NaN or inf values "
+                                         r"\(dynamic role"):
         calibrate(_overflowing(_mlp(32)), [torch.rand(4, 32) + 0.1], recipe, progress=False)
 
 

@@ -53,8 +53,9 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, 
     batches = [torch.empty(shape, device="meta") for shape in ((4, 128), (3, 128), (2, 5, 128))]
     with pytest.raises(_PassEnded), uploads:
         qs.calibrate(model, batches, preset(scheme, observer), progress=False)
-    assert reached  # the pass ran to its end, with the activations' observers to check
-    assert (reached[0] > 0) == (scheme != "mxfp4")  # (MX inputs: scaled at run time)
+    # the pass ran to its end, with the activations' flags to check (MX inputs, scaled at
+    # run time: their own, set by the hook)
+    assert reached and reached[0] > 0
     assert uploads.found == []
 
 

@@ -2,7 +2,9 @@
 the error of its own first bad batch (rank 0 named batch 2, rank 1 batch 1), not the
 one-process error. Now the ranks agree on the batch one process would name (the first
 observer in the layers' order, then the first batch after which it saw them) and every rank
-raises that ValueError, word for word.
+raises that ValueError, word for word. A run-time (dynamic) role's NaN in a row that no
+rank's row sample kept raised on neither (or on one process and not on the ranks): now
+every row is checked in the pass, and every rank raises the one-process error.
 
 One spawn of 2 gloo processes runs every scenario; each rank also calibrates in one process
 (``distributed=False``) for the error to compare with. The process group's timeout is short,
@@ -16,7 +18,7 @@ from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
 from quantscope import comm
-from quantscope.calibration import Runtime
+from quantscope.calibration import Runtime, Sampling
 
 pytestmark = pytest.mark.dist  # spawns its own process group
 
@@ -50,6 +52,14 @@ def _scenarios(r, out):
             out[f"{kind}/{d}"] = error_text(
                 quantscope.calibrate, _mlp(), _batches(kind), "w8a8", observer="static_minmax",
                 progress=False, runtime=Runtime(distributed=d))
+    for row in range(0, 8, 3):  # one sampled row of 8 per batch: most NaN rows not kept
+        batches = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+                   for i in range(4)]
+        batches[1][row, 3] = batches[2][row, 5] = float("nan")
+        for d in (False, True):
+            out[f"dynamic/{row}/{d}"] = error_text(
+                quantscope.calibrate, _mlp(), batches, "w8a8-dynamic", progress=False,
+                sampling=Sampling(tokens=1), runtime=Runtime(distributed=d))
     out["after"] = comm.all_sum(comm.rank() + 1)  # the ranks are still in step
 
 
@@ -70,6 +80,16 @@ def test_nan_on_both_ranks_raises_the_one_process_error_on_every_rank(ranks, kin
     assert one[0].startswith(f"ValueError: calibrate: {names}(counting from 0) brought NaN or "
                              f"inf values (observer 'static_minmax')"), one[0]
     assert rank_results(ranks, f"{kind}/True") == one
+
+
+@pytest.mark.parametrize("row", range(0, 8, 3))
+def test_a_dynamic_roles_unsampled_nan_raises_the_one_process_error_on_every_rank(ranks, row):
+    one = rank_results(ranks, f"dynamic/{row}/False")
+    assert one[0] == one[1]
+    assert one[0] is not None and one[0].startswith(
+        "ValueError: calibrate: layer '0' input: calibration batch 1 (counting from 0) brought "
+        "NaN or inf values (dynamic role, observer 'memoryless_minmax')"), one[0]
+    assert rank_results(ranks, f"dynamic/{row}/True") == one
 
 
 def test_the_ranks_stay_in_step_after_the_nan(ranks):

@@ -130,7 +130,8 @@ def test_auto_on_a_bf16_model_gives_every_rank_the_one_process_qparams(ranks):
 def test_a_dynamic_roles_nan_raises_the_same_error_on_every_rank(ranks, where):
     one = rank_results(ranks, f"nan/{where}/error/False")
     assert one[0] is not None and one[0].startswith(
-        "ValueError: calibrate: layer '0' input: a calibration batch brought NaN or inf")
+        f"ValueError: calibrate: layer '0' input: calibration batch {where} (counting from 0) "
+        f"brought NaN or inf values (dynamic role")
     assert rank_results(ranks, f"nan/{where}/error/True") == one
 
 

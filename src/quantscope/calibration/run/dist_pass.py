@@ -104,7 +104,7 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     # 'auto' decides on the sampled rows, so every rank needs the same sample: gather it;
     # otherwise the sample only feeds the report, which rank 0 makes from its own rows
     auto = any(cfg.observer == AUTO for p in plans.values() for cfg, _ in p.values())
-    n, bad, held = 0, set(), []  # held: the pass's NaN / inf flags (FirstBad), checked below
+    n, held = 0, []  # held: the pass's NaN / inf flags (FirstBad), checked below
     importance = imatrix_roles.gather(model, slots)  # imatrix_mse weights: their inputs' x^2
     if needs_data or importance is not None:
         # same_type: an error of the pass is the failing rank's ValueError everywhere
@@ -121,7 +121,7 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
                 if importance is not None:
                     importance.remove()
         acts = {k: s for k, s in slots.items() if s.role != "weight"}
-        n, bad, first = _global_counts(n, acts, held[0] if held else None, group)
+        n, first = _global_counts(n, acts, held[0] if held else None, group)
         if first is not None:  # the batch one process names, on every rank
             raise held[0].error(*first, model)
         sync_observers([o for s in unique_slots(acts.values()) for o in s.observers.values()],
@@ -140,31 +140,24 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
-                    model, non_finite=bad)
+                    model)
 
 
 def _global_counts(n, acts, first_bad, group):
-    """``(batches, slot keys whose rows brought NaN / inf, first bad (row, batch))`` over every
-    rank, each activation slot's ``calls`` made the total over the ranks (what ``missing``
-    reports), in one all_gather. The first bad batch is one process's (:func:`.first_of`),
-    from each rank's :class:`.FirstBad` ``first_bad`` (None: none watched). The NaN flags are
-    read from each rank's own rows before rank 0 alone keeps them (no ``auto``), so that a
-    dynamic role's NaN raises on every rank, not where it fell."""
-    dev = qd.group_device(group)
+    """``(batches, first bad (row, batch))`` over every rank, each activation slot's ``calls``
+    made the total over the ranks (what ``missing`` reports), in one all_gather. The first bad
+    batch is one process's (:func:`.first_of`), from each rank's :class:`.FirstBad`
+    ``first_bad`` (None: none watched), a run-time role's own flag among them
+    (:func:`.non_finite.watched`): its NaN / inf raise on every rank, wherever they fell."""
     own = unique_slots(acts.values())
-    rows = [None if s.sample is None else s.sample.rows() for s in own]
-    flags = [torch.zeros((), dtype=torch.int64, device=dev) if x is None  # read back below
-             else (~torch.isfinite(x)).any().to(device=dev, dtype=torch.int64) for x in rows]
     first = non_finite.exchanged(None if first_bad is None else first_bad.first())
-    counts = torch.tensor([n, *first] + [s.calls for s in own], dtype=torch.int64, device=dev)
-    t = torch.cat([counts, torch.stack(flags)]) if own else counts
-    every = qd.all_gather(t, group).tolist()  # [rank][n, first bad (2), calls..., flags...]
+    t = torch.tensor([n, *first] + [s.calls for s in own], dtype=torch.int64,
+                     device=qd.group_device(group))
+    every = qd.all_gather(t, group).tolist()  # [rank][n, first bad (2), calls...]
     sums = [sum(col) for col in zip(*every)]
-    for s, calls in zip(own, sums[3:3 + len(own)]):
+    for s, calls in zip(own, sums[3:]):
         s.calls = calls
-    bad = {id(s) for s, f in zip(own, sums[3 + len(own):]) if f}
-    return (sums[0], {k for k, s in acts.items() if id(s) in bad},
-            non_finite.first_of(r[1:3] for r in every))
+    return sums[0], non_finite.first_of(r[1:3] for r in every)
 
 
 def check_group(group, distributed: bool) -> None:

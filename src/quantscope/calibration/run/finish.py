@@ -8,7 +8,6 @@ records the roles that saw no data under the ``missing`` policy.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import replace
@@ -214,13 +213,11 @@ def _odd_value(odd) -> str:
 
 
 def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts=None,
-            missing="skip", fisher=None, non_finite=frozenset(), batches=1):
+            missing="skip", fisher=None, batches=1):
     """Build each recipe's states and report rows; ``auto`` picks by squared error (or,
     ``auto_metric`` "joint" / "fisher", by :func:`.layer_choice.joint_choice`).
-    ``non_finite``: the slot keys whose rows brought NaN / inf on some process (distributed:
-    a rank may hold none of those rows, or none at all), checked as its own sample is.
     ``batches``: how many the pass forwarded (over every process)."""
-    built = _States(slots, auto_metric, fisher, _ignoring(slots, plans), non_finite)
+    built = _States(slots, auto_metric, fisher, _ignoring(slots, plans))
     results = {label: built.recipe(plan, groups, experts, missing, batches > 0)
                for label, plan in plans.items()}
     hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
@@ -244,10 +241,8 @@ class _States:
     recipe that asks for an observer another already used gets the same state, stats and
     ``auto`` error): one state per observer, keyed ``(layer, role, observer key, dynamic)``."""
 
-    def __init__(self, slots, auto_metric, fisher, ignoring=frozenset(), non_finite=frozenset()):
+    def __init__(self, slots, auto_metric, fisher, ignoring=frozenset()):
         self.slots, self.auto_metric, self.fisher = slots, auto_metric, fisher
-        # another process's NaN / inf, where this one's rows do not show it (ignored alike)
-        self.non_finite = {k for k in non_finite if id(slots[k]) not in ignoring}
         self.data = {}  # what each role's states are scored on
         for key, slot in slots.items():
             if slot.role == "weight":
@@ -317,8 +312,6 @@ class _States:
                                                         cfg), state)
         if cfg.dynamic is True:
             state = RoleState(cfg.spec, cfg.observer, cfg.observer, True, cfg.options)
-            if (layer, role) in self.non_finite:
-                raise _non_finite_error((layer, role), state)
             return state, self.stats_of((layer, role), (layer, role, "dynamic", cfg), state)
         best = self.best_candidate(plan, layer, role, slot, cfg, names, shape)
         if best is None and shape is not None and 0 in shape:  # observers skip empty tensors
@@ -418,25 +411,12 @@ class _States:
 
 
 def _stats(key, x, state) -> dict:
-    """:func:`~.report.tensor_stats` of role ``key`` (``(layer, role)``), errors naming it. A
-    run-time (dynamic) role has no observer to catch NaN / inf during the pass: its sample's
-    range (the report's, read back with the rest) does."""
+    """:func:`~.report.tensor_stats` of role ``key`` (``(layer, role)``), errors naming it (a
+    run-time role's NaN / inf raised in the pass: :func:`.non_finite.watched`)."""
     try:
-        st = tensor_stats(x, state)
+        return tensor_stats(x, state)
     except ValueError as e:
         raise ValueError(f"calibrate: layer {key[0]!r} {key[1]}: {e}") from None
-    if state.dynamic is True and not (math.isfinite(st["min"]) and math.isfinite(st["max"])):
-        raise _non_finite_error(key, state)
-    return st
-
-
-def _non_finite_error(key, state) -> ValueError:
-    """The error of a run-time (dynamic) role ``key`` whose input brought NaN or inf."""
-    return ValueError(
-        f"calibrate: layer {key[0]!r} {key[1]}: a calibration batch brought NaN or inf "
-        f"values (dynamic role, observer {state.observer!r}); fix the batches (or what "
-        f"makes the model produce them), or give the role options={{'non_finite': "
-        f"'ignore'}} to read them as zero")
 
 
 def stats_row(layer, role, state: RoleState, st: dict) -> dict:

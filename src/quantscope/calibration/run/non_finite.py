@@ -5,23 +5,35 @@ An observer in ``non_finite="error"`` mode keeps a flag (``seen_non_finite``) th
 every such flag once per batch, one op per device at the batch's end (not one per observer
 call: a GPU's host pays for each op), and reads them all once after the pass. Ranks that
 forwarded their shares of the batches agree on one process's answer (:func:`first_of`).
+
+A run-time (``dynamic``) role has no observer: where it raises on NaN / inf and no observer of
+its tensor does, the calibration's hook keeps a flag of its own, set by :func:`flag_tensor`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...kernels import ops
+from ...stats.minmax import (
+    MINMAX_DTYPES,
+    any_non_finite,
+    record_ends,
+    record_non_finite,
+    unit_minmax,
+)
 from .batches import nan_parameter
 
-__all__ = ["NONE", "FirstBad", "exchanged", "first_of"]
+__all__ = ["NONE", "FirstBad", "exchanged", "first_of", "flag_tensor", "watched"]
 
 #: what :func:`exchanged` sends for no bad batch: above every row and batch number
 NONE = 2**63 - 1
 
 
 class FirstBad:
-    """The flags of ``watched`` (``(layer, role, name, observer)`` rows, in the order the
-    errors name them), stacked at the end of each batch (:meth:`end_batch`)."""
+    """The flags of ``watched`` (``(layer, role, name, holder)`` rows, in the order the
+    errors name them; the holder of a ``seen_non_finite`` flag: an observer, or a run-time
+    role's slot, :func:`watched`), stacked at the end of each batch (:meth:`end_batch`)."""
 
     def __init__(self, watched: list[tuple]):
         self.watched = watched
@@ -67,13 +79,16 @@ class FirstBad:
         """The ``ValueError`` naming the layer, role and batch where watched observer ``i``
         first saw NaN or inf, and a parameter of ``model`` that holds them, the likelier
         cause."""
-        layer, role, name, _ = self.watched[i]
+        layer, role, name, holder = self.watched[i]
         where = "a calibration batch" if batch is None else f"calibration batch {batch}"
         own = nan_parameter(model)
         cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
                  else "fix that batch (or what makes the model produce them)")
+        kind = "dynamic role, " if getattr(holder, "runtime_check", None) else ""  # a slot's
+        if kind:  # a run-time role: the option that reads them as zero instead
+            cause += ", or give the role options={'non_finite': 'ignore'} to read them as zero"
         return ValueError(f"calibrate: layer {layer!r} {role}: {where} (counting from 0) "
-                          f"brought NaN or inf values (observer {name!r}); {cause}")
+                          f"brought NaN or inf values ({kind}observer {name!r}); {cause}")
 
 
 def exchanged(found: tuple[int, object] | None) -> list[int]:
@@ -94,6 +109,46 @@ def first_of(answers) -> tuple[int, object] | None:
     if i == NONE:
         return None
     return i, None if batch == NONE else batch
+
+
+def watched(slots) -> list:
+    """The rows :class:`FirstBad` names, in the order of ``slots`` (the pass's observed
+    slots, each once): the observers whose NaN / inf raise, and where a run-time role raises
+    on them but no observer of its slot does, the slot's own flag (made here, on the CPU;
+    :func:`flag_tensor` moves it to the data)."""
+    out = []
+    for slot in slots:
+        rows = [(slot.layer, slot.role, key[0], obs) for key, obs in slot.observers.items()
+                if getattr(obs, "non_finite", None) == "error"
+                and getattr(obs, "seen_non_finite", None) is not None]
+        slot.seen_non_finite = None
+        if not rows and slot.runtime_check is not None:
+            slot.seen_non_finite = torch.zeros((), dtype=torch.bool)
+            rows = [(slot.layer, slot.role, slot.runtime_check, slot)]
+        out += rows
+    return out
+
+
+def flag_tensor(x: torch.Tensor, slot) -> None:
+    """``slot.seen_non_finite`` (one bool, moved to ``x``'s device as the observers are) set
+    where the float tensor ``x`` (not empty) holds NaN or an infinity, reading nothing back
+    off the CPU: the min / max of each of its rows (NaN propagates), tested as an observer
+    tests them. Off the CPU two ops of the observers' own (``unit_minmax``,
+    ``record_non_finite``: two launches); on it one C pass that also finds the two ends,
+    read here."""
+    if slot.seen_non_finite.device != x.device:
+        slot.seen_non_finite = slot.seen_non_finite.to(x.device, non_blocking=True)
+    seen = slot.seen_non_finite
+    if x.dtype not in MINMAX_DTYPES:  # float64: as it is (as float32, a finite value overflows)
+        seen.bitwise_or_(any_non_finite(torch.stack(torch.aminmax(x))))
+        return
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    if not rows.is_cpu:
+        record_non_finite(*ops.unit_minmax(rows), seen)
+        return
+    ends = torch.empty(2, dtype=torch.float32)
+    unit_minmax(rows, ends=ends)
+    record_ends(ends, seen)
 
 
 def _read(groups) -> dict[int, bool]:

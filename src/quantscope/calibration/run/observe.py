@@ -31,10 +31,9 @@ from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
 from ..role_observers import observed
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import observer_options
-from . import heap
+from . import heap, non_finite
 from .batches import batch_count, eval_mode, forward_batch, input_name, module_input
 from .module_roles import activation_width, check_role_shape
-from .non_finite import FirstBad
 from .samples import RowSample, capacities, generator_for
 
 # the activation rows kept for auto and the report, all layers together (see docs/memory.md)
@@ -71,6 +70,10 @@ class Slot:
     # imatrix_mse weights held for their inputs' importance (.imatrix_roles); key -> why unweighted
     waiting: list = field(default_factory=list)
     unweighted: dict = field(default_factory=dict)
+    # the observer of a run-time role that raises on NaN / inf (non_finite not "ignore"): where
+    # no observer of the slot raises on them, the pass's hook flags them (seen_non_finite)
+    runtime_check: str | None = None
+    seen_non_finite: torch.Tensor | None = None
 
     def module_of(self, layer: str) -> nn.Module:
         """The module of ``layer``: this slot's, or (a fusion group's shared input slot, held
@@ -221,6 +224,8 @@ def make_plan(model, recipes, candidates, owns=None):
                     slot.per_tensor &= isinstance(cfg.spec.layout, Tensor)
                 names = ([] if cfg.dynamic is True else candidates_for(role, candidates)
                          if cfg.observer == AUTO else [cfg.observer])
+                if cfg.dynamic is True and dict(cfg.options).get("non_finite") != "ignore":
+                    slot.runtime_check = slot.runtime_check or cfg.observer
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
                                   owns, weights)
@@ -259,6 +264,8 @@ def _hook(slots: list[Slot], input_key: str | None = None):
                     raise ValueError(f"calibrate: layer {slot.layer!r} {slot.role}: observer "
                                      f"{key[0]!r}: {e}") from None
                 slot.spent(key, t0)
+            if slot.seen_non_finite is not None and x.numel():  # a run-time role's own check
+                non_finite.flag_tensor(x, slot)
             if slot.sample is not None:
                 slot.sample.add(x, _BATCH.get())
 
@@ -310,11 +317,8 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
     agree on the first bad batch first); None: checked here, NaN / inf raising."""
     by_module: dict[int, dict[str, list[Slot]]] = {}
     kv: dict[str, dict[str, list[Slot]]] = {}  # attention layer -> key / value slots
-    watched = []  # the observers whose NaN / inf raise, as FirstBad names them
+    watched = non_finite.watched(filter(fed, unique_slots(slots.values())))
     for slot in filter(fed, unique_slots(slots.values())):
-        watched += [(slot.layer, slot.role, key[0], obs) for key, obs in slot.observers.items()
-                    if getattr(obs, "non_finite", None) == "error"
-                    and getattr(obs, "seen_non_finite", None) is not None]
         if slot.role in kv_cache.ROLES:
             kv.setdefault(slot.layer, {}).setdefault(slot.role, []).append(slot)
             continue
@@ -340,7 +344,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         if kv:
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
-        bad = FirstBad(watched)
+        bad = non_finite.FirstBad(watched)
         with eval_mode(model):
             n = _forward_all(model, batches, total, progress, batch_index, bad.end_batch)
         if flags is None:
@@ -473,6 +477,7 @@ def share_group_inputs(model, batches, recipes, slots, groups=None):
                 lead.observers.setdefault(okey, obs)
             lead.failed.update(member.failed)
             lead.needs_sample |= member.needs_sample
+            lead.runtime_check = lead.runtime_check or member.runtime_check
             lead.also[k[0]] = member.module
             slots[k] = lead
     return batches, groups

@@ -375,13 +375,13 @@ def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher
 
 
 def _conclude(slots, plans, recipes, n, needs_data, t0, opts: Options, processes=1,
-              groups=(), experts=None, model=None, fisher=None, non_finite=frozenset()):
+              groups=(), experts=None, model=None, fisher=None):
     if needs_data and n == 0 and any(r.needs_data for r in recipes.values()):
         raise ValueError("calibrate: batches is empty: the recipe quantizes activations "
                          "statically, which needs at least one calibration batch")
     with torch.no_grad():
         results, hists = build_states(slots, plans, recipes, opts.auto.metric, groups, experts,
-                                      opts.runtime.missing, fisher, non_finite, n)
+                                      opts.runtime.missing, fisher, n)
         if model is not None:  # what apply() and the exports compare the model's weights with
             record_fingerprints(model, [states for states, *_ in results.values()])
     seconds = time.perf_counter() - t0
