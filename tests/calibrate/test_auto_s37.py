@@ -174,7 +174,7 @@ def test_imatrix_weights_are_tried_only_where_this_recipes_weights_are_auto(monk
 def test_a_mask_of_another_length_than_the_output_pools_every_position():
     """A block's output may be longer than the user's mask (a prefix, memory tokens): its
     positions are pooled unmasked, as the logits' path does, not a shape error."""
-    from quantscope.calibration.choice.auto import _summary
+    from quantscope.calibration.choice.references import summary as _summary
 
     hidden = torch.randn(2, 5, 4)
     kind, rows = _summary(hidden, torch.ones(2, 3, dtype=torch.long))

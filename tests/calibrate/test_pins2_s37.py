@@ -17,7 +17,8 @@ from torch import nn
 import quantscope
 from quantscope import QuantSpec, get_observer
 from quantscope.calibration import Auto
-from quantscope.calibration.choice.auto import OutputDivergence, _summary
+from quantscope.calibration.choice.auto import OutputDivergence
+from quantscope.calibration.choice.references import summary as _summary
 from quantscope.calibration.run.batches import nan_parameter
 from quantscope.exporters.source_folder import own_file as _own_file
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import types
 from dataclasses import replace
 
 import torch
@@ -29,7 +28,7 @@ from ...comm import all_sum
 from ..recipe import AUTO, Recipe, weight_observer
 from ..results.apply import apply
 from ..results.result import Calibration
-from ..run.batches import eval_mode, forward_batch, tensors_in
+from ..run.batches import eval_mode, forward_batch
 from ..run.gather import share_pieces
 from ..run.sequential import batch_source
 from .candidates import (
@@ -50,6 +49,7 @@ from .loss_checks import (
     none_left_error,
     scalar,
 )
+from .references import FloatOutputs, summary
 from .score_set import (
     mask_of,
     piece_names,
@@ -71,39 +71,6 @@ DROP_FACTOR = 1.5
 
 
 # ----------------------------------------------------------------------------- model output
-
-
-def _summary(out, mask):
-    """What a divergence compares, from a model output: the next-token logits of the real
-    positions (``mask``: the batch's attention mask, None where all are; causal LM; float32,
-    their log-probabilities taken in float64 where compared), mean-pooled normalised
-    embeddings (encoder, float64: ``[rows, hidden]``), or the tensor; an output of one value
-    per row (a regression head, HF's ``num_labels=1`` logits too) as one vector over the
-    batch."""
-    logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, dict):
-        logits = out.get("logits")
-    if logits is not None and logits.shape[-1] > 1:  # one logit (a regression head): no KL
-        rows = logits.reshape(-1, logits.shape[-1])
-        if mask is not None and logits.dim() == 3 and mask.shape == logits.shape[:2]:
-            rows = logits[mask.to(logits.device).bool()]  # (a block's: the user's batch's)
-        # a copy: a stored reference keeps no view of the whole output alive
-        return ("kl", rows.to(torch.float32, copy=True))
-    hidden = logits if logits is not None else getattr(out, "last_hidden_state", None)
-    if hidden is None:
-        hidden = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"auto: cannot compare model outputs of type {type(out).__name__}; "
-                         f"pass loss=callable(output, reference_output, batch)")
-    hidden = hidden.double()
-    if hidden.dim() == 3:
-        m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None
-             or mask.shape != hidden.shape[:2] else mask).to(hidden.device, hidden.dtype)
-        hidden = (hidden * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
-    rows = hidden.reshape(hidden.shape[0], -1)
-    if rows.shape[1] == 1:  # one value a row has no direction: the batch's column is the vector
-        rows = rows.reshape(1, -1)
-    return ("cos", torch.nn.functional.normalize(rows, dim=-1))
 
 
 #: logits whose KL :func:`_divergence` computes at once: its float64 temporaries (three
@@ -133,15 +100,16 @@ class OutputDivergence:
     """How far a (quantized) model's output is from the float model's on ``batches``.
 
     The float outputs are computed once, at construction (``references``: those already
-    known, as :func:`_summary` gives them, None where not). ``loss(output, reference_output,
-    batch) -> float`` replaces the default: KL divergence of the next-token distributions
-    for a model with ``logits`` (causal LM), ``1 - cosine`` of the mean-pooled embeddings
-    otherwise. Each call runs one forward per batch (under ``inference_mode``). ``who``:
-    the function named in errors (``auto``'s scoring, ``sensitivity``). ``real``: the user's
-    batches that ``batches`` stand for where they are not those (a sequential block's
-    pieces, ``(number, start, stop)``): their attention masks say which positions count; one
-    with none (a mask all 0) is left out, for every configuration alike. ``names``: what
-    errors call each batch (``auto``'s: its scoring pieces).
+    known, as :func:`.references.summary` gives them, None where not). ``loss(output,
+    reference_output, batch) -> float`` replaces the default: KL divergence of the
+    next-token distributions for a model with ``logits`` (causal LM), ``1 - cosine`` of the
+    mean-pooled embeddings otherwise. Each call runs one forward per batch (under
+    ``inference_mode``). ``who``: the function named in errors (``auto``'s scoring,
+    ``sensitivity``). ``real``: the user's batches that ``batches`` stand for where they are
+    not those (a sequential block's pieces, ``(number, start, stop)``): their attention
+    masks say which positions count; one with none (a mask all 0) is left out, for every
+    configuration alike. ``names``: what errors call each batch (``auto``'s: its scoring
+    pieces).
     """
 
     def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto",
@@ -170,7 +138,7 @@ class OutputDivergence:
     def _run(self, k):
         with eval_mode(self.model), torch.inference_mode():
             out = forward_batch(self.model, self.batches[k])
-        return out if self.loss is not None else _summary(out, mask_of(self.real[k]))
+        return out if self.loss is not None else summary(out, mask_of(self.real[k]))
 
     def on(self, k: int) -> float:
         """The divergence of the model as it is now on batch ``k`` alone (one forward)."""
@@ -221,53 +189,6 @@ class OutputDivergence:
                 return self() if k is None else self.on(k)
         return here() if self.ranks is None or k is None else self.ranks.piece(
             here if k < len(self.batches) else None)
-
-
-class _FloatOutputs:
-    """Catches, during the calibration pass (a float forward of every batch), the summaries
-    :class:`OutputDivergence` compares for the scoring pieces: their float references need
-    no forward of their own. Only for the default divergence (a user's ``loss`` sees whole
-    outputs) and outputs with ``logits`` or ``last_hidden_state``."""
-
-    def __init__(self, model, batches, plan):
-        self.plan, self.batches = plan, batches
-        # a batch by the identities of all its tensors: the first alone is not its own (a
-        # mask shared by every batch, first in each dict, took the last batch's index and
-        # scored the candidates against the first batch's float output, found by probing);
-        # batches of the same tensors have the same float output
-        self.want = {}
-        for i, _, _ in plan:
-            if (key := _identity(batches[i])) is not None:
-                self.want.setdefault(key, []).append(i)
-        self.got = {}
-        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs, out):
-        for i in self.want.get(_identity(kwargs if kwargs else args), ()):
-            if i not in self.got:
-                self._catch(i, out)
-
-    def _catch(self, i, out):
-        for k, (j, a, b) in enumerate(self.plan):
-            if j != i:
-                continue
-            for name in ("logits", "last_hidden_state"):
-                t = getattr(out, name, None)
-                if isinstance(t, torch.Tensor):
-                    cut = types.SimpleNamespace(**{name: t if b is None else t[a:b]})
-                    piece = piece_of(self.batches[i], a, b)
-                    self.got.setdefault(i, {})[k] = _summary(cut, mask_of(piece))
-                    break
-        self.got.setdefault(i, {})
-
-    def references(self):
-        self.handle.remove()
-        return [self.got.get(i, {}).get(k) for k, (i, _, _) in enumerate(self.plan)]
-
-
-def _identity(x) -> tuple[int, ...] | None:
-    """The ids of the tensors of a batch (or of a forward's arguments), None without any."""
-    return tuple(map(id, tensors_in(x))) or None
 
 
 def choose(div: OutputDivergence, configs: dict, first: str, drop: float = DROP_FACTOR,
@@ -367,7 +288,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         _candidates("input", candidates))))
     source = batch_source(model)  # a sequential block runs on these batches' numbers
     plan = score_plan(batches if source is None else source, score_tokens) if autos else []
-    caught = _FloatOutputs(model, batches, plan) if autos and loss is None else None
+    caught = FloatOutputs(model, batches, plan) if autos and loss is None else None
     weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
     importance = _importance(model, recipes, autos) if weighted else None
     try:
