@@ -20,11 +20,12 @@ import contextlib
 import math
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ...comm import all_sum
+from ...comm import LocalError
 from ..recipe import AUTO, Recipe, weight_observer
 from ..results.apply import apply
 from ..results.result import Calibration
@@ -52,6 +53,8 @@ from .loss_checks import (
 from .references import FloatOutputs, summary
 from .score_set import (
     mask_of,
+    no_batches_error,
+    no_token_error,
     piece_names,
     piece_of,
     score_batches,
@@ -61,8 +64,9 @@ from .score_set import (
     with_tokens,
 )
 
-__all__ = ["OutputDivergence", "calibrate_end_to_end", "check_options", "choose",
-           "choose_roles", "score_batches", "score_pieces"]  # (those two: .score_set's)
+__all__ = ["OutputDivergence", "Tally", "calibrate_end_to_end", "check_options", "choose",
+           "choose_roles", "no_batches_error", "score_batches",
+           "score_pieces"]  # (no_batches_error and those two: .score_set's)
 
 #: ``auto_metric="model"`` scores each configuration piece by piece (the first piece
 #: :data:`.score_set.FIRST_PIECE` of the scoring documents), dropping after each piece the
@@ -71,6 +75,15 @@ DROP_FACTOR = 1.5
 
 
 # ----------------------------------------------------------------------------- model output
+class Tally(NamedTuple):
+    """What :class:`OutputDivergence` scores on: the batches (pieces) ``given``, those holding
+    a ``real`` token, those ``kept`` (finite: what it scores), and the real ``tokens`` of
+    those kept."""
+
+    given: int
+    real: int
+    kept: int
+    tokens: int
 
 
 #: logits whose KL :func:`_divergence` computes at once: its float64 temporaries (three
@@ -109,17 +122,23 @@ class OutputDivergence:
     not those (a sequential block's pieces, ``(number, start, stop)``): their attention
     masks say which positions count; one with none (a mask all 0) is left out, for every
     configuration alike. ``names``: what errors call each batch (``auto``'s: its scoring
-    pieces).
+    pieces). ``alone=False``: whether any batch is left to score is decided on more counts
+    than this process's (every rank's: :func:`~..run.gather.share_pieces`, then
+    :meth:`check_left`), so none here (no batch, none with a real token, none finite) raises
+    nothing yet.
     """
 
+    #: every rank's :meth:`tally`, where the ranks score different pieces (share_pieces)
+    totals: Tally | None = None
+
     def __init__(self, model: nn.Module, batches, loss=None, references=None, who="auto",
-                 real=None, names=None):
-        self.who = who
+                 real=None, names=None, alone=True):
+        self.who, self.alone = who, alone
         if not isinstance(model, nn.Module):
             raise TypeError(f"OutputDivergence: model must be an nn.Module, got "
                             f"{type(model).__name__}")
         self.model, self.batches, self.loss = model, list(batches), loss
-        if not self.batches:
+        if not self.batches and alone:
             raise ValueError("OutputDivergence: batches is empty: need at least one batch to "
                              "compare the model's outputs on")
         if loss is not None and not callable(loss):
@@ -128,12 +147,37 @@ class OutputDivergence:
         # float outputs already at hand (e.g. caught in the calibration pass) are not recomputed
         known = list(references or [None] * len(self.batches))
         self.names = list(names or map(batch_name, range(len(self.batches))))
-        keep = with_tokens(self.real, who)  # (a mask all 0: KL over no position is 0 / 0)
+        self.given = self.batches  # (the ranks compare them: share_pieces)
+        keep = with_tokens(self.real)  # (a mask all 0: KL over no position is 0 / 0)
         self.batches, self.real, self.names, known = (
             [x[k] for k in keep] for x in (self.batches, self.real, self.names, known))
+        self.real_pieces = len(keep)
+        if alone:
+            self.check_left()
         self.references = [self._run(k) if r is None else r for k, r in enumerate(known)]
         self.forwards = sum(r is None for r in known)
         self.pieces, self.ranks = len(self.batches), None  # across ranks: share_pieces
+
+    def tally(self) -> Tally:
+        """This process's counts (:class:`Tally`)."""
+        return Tally(len(self.given), self.real_pieces, len(self.batches),
+                     sum(tokens_of(p) for p in self.real))
+
+    def counts(self) -> Tally:
+        """The counts of the scoring: every rank's where the ranks score different pieces
+        (:attr:`totals`), else this process's."""
+        return self.tally() if self.totals is None else self.totals
+
+    def check_left(self) -> None:
+        """Raise, on :meth:`counts`, where no batch is left to score: none given, none holding
+        a real token, or ``non_finite='ignore'`` left out every one of those."""
+        given, real, kept, _ = self.counts()
+        if not given:
+            raise no_batches_error()
+        if not real:
+            raise no_token_error(self.who)
+        if not kept:
+            raise none_left_error(self.who, real, "compare the model's outputs on")
 
     def _run(self, k):
         with eval_mode(self.model), torch.inference_mode():
@@ -166,15 +210,15 @@ class OutputDivergence:
 
     def drop_non_finite(self) -> int:
         """Leave out the batches that bring NaN / inf (or whose float output does); returns
-        how many. Raises where none is left to score on."""
+        how many. Raises where none is left to score on (``alone``: :meth:`check_left`)."""
         keep = [k for k, (b, r) in enumerate(zip(self.batches, self.references))
                 if finite(b) and finite(r, logits=True)]
-        if not keep:
-            raise none_left_error(self.who, len(self.batches), "compare the model's outputs on")
         left_out = len(self.batches) - len(keep)
         self.batches, self.real, self.names, self.references = (
             [x[k] for k in keep] for x in (self.batches, self.real, self.names, self.references))
         self.pieces = len(keep)
+        if self.alone:
+            self.check_left()
         return left_out
 
     def __call__(self) -> float:
@@ -282,7 +326,7 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     from ..run.observe import candidates_for as _candidates  # the one list of auto's candidates
 
     candidates, score_tokens, loss = opts.auto.candidates, opts.auto.score_tokens, opts.auto.loss
-    batches = list(batches)  # not empty where a recipe has auto (calibrate's checks)
+    batches = list(batches)  # (across ranks, empty on some: _scoring)
     autos = [label for label, r in recipes.items() if has_auto(r)]
     expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
         _candidates("input", candidates))))
@@ -305,30 +349,22 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         # rows (``real``) say which of their positions are real tokens
         real = [piece_of(batches[i] if source is None else source[i], a, b) for i, a, b in plan]
         pieces = real if source is None else [(batches[i], a, b) for i, a, b in plan]
-        # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
-        with (importance.counting() if importance is not None and not importance.seen()
-              else contextlib.nullcontext()):
-            score = OutputDivergence(model, pieces, loss, refs, real=real,
-                                     names=piece_names(plan))
         # non_finite="ignore" (the observers read NaN / inf as 0): not scored on those batches
         ignore = all(ignores_non_finite(recipes[label]) for label in autos)
-        left_out = score.drop_non_finite() if ignore else 0
-        if opts.runtime.distributed:  # ranks scoring their own batches: the same choice
-            share_pieces(score, opts.runtime.group)
+        score = _scoring(model, (plan, pieces, real), loss, refs, ignore, importance,
+                         opts.runtime)
         means = {} if importance is None else importance.means(
             opts.runtime.distributed, opts.runtime.group)
     finally:
         if importance is not None:
             importance.remove()
     built = score.forwards  # the references' forwards, which every recipe's scoring needs
-    tokens = sum(tokens_of(p) for p in score.real)  # the tokens scored (every rank's)
-    if score.ranks is not None:  # each rank scored its own pieces: the count is of them all
-        tokens = all_sum(tokens, score.ranks.group)
     for label in autos:
         score.forwards = built  # each recipe counts its own scoring's forwards, as alone
         out[label] = _decide(model, score, recipes[label], label,
-                             {n: calibs[(label, n)] for n in names[label]}, means, tokens)
+                             {n: calibs[(label, n)] for n in names[label]}, means)
     spent = time.perf_counter() - t0
+    left_out = score.counts().real - score.counts().kept  # (every rank's, as the others)
     for label in autos:
         info = out[label].info
         info["calibration_seconds"] = round(info["calibration_seconds"] + spent, 3)
@@ -338,6 +374,28 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         if left_out:
             info["auto"]["non_finite_pieces"] = left_out
     return {label: out[label] for label in recipes}  # the caller's order, as other metrics
+
+
+def _scoring(model, plan, loss, refs, ignore: bool, importance, runtime) -> OutputDivergence:
+    """The :class:`OutputDivergence` of auto's scoring pieces (``plan``: the plan, the pieces
+    and the user's rows they stand for), those bringing NaN / inf left out where ``ignore``.
+    Across ranks (``runtime.distributed``) whether any piece is left is decided on every
+    rank's counts, as one process given all their batches decides, and an error here raises
+    on every rank (:func:`~..run.gather.share_pieces`): a rank given no batch, or all of
+    whose pieces are left out, scores with none, not alone into an error."""
+    (plan, pieces, real), across = plan, runtime.distributed
+    failed, score = LocalError() if across else contextlib.nullcontext(), None
+    with failed:
+        # a pass without forwards (weight-only recipes): the scoring pieces' float forwards
+        with (importance.counting() if importance is not None and not importance.seen()
+              else contextlib.nullcontext()):
+            score = OutputDivergence(model, pieces, loss, refs, real=real,
+                                     names=piece_names(plan), alone=not across)
+        if ignore:
+            score.drop_non_finite()
+    if across:  # ranks scoring their own batches: the same choice
+        share_pieces(score, runtime.group, failed.error)
+    return score
 
 
 def _importance(model, recipes, autos) -> InputImportance:
@@ -356,7 +414,7 @@ def _importance(model, recipes, autos) -> InputImportance:
 
 
 def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict,
-            means: dict, tokens: int) -> Calibration:
+            means: dict) -> Calibration:
     """One auto recipe's result from its candidates' calibrations ``configs`` (min-max
     first): the best whole configuration (:func:`choose`), then each role re-chosen
     (:func:`choose_roles`, the imatrix weights among the weight trials where ``means``, the
@@ -390,8 +448,8 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "role_scores": {k: float(f"{v:.6g}") for k, (v, _) in trials.items()},
                     "role_pieces": {k: p for k, (_, p) in trials.items()},
                     "pieces_scored": {k: p for k, (_, p) in scores.items()},
-                    "score_pieces": score.pieces if score.ranks is None else score.ranks.total,
-                    "score_tokens": tokens,
+                    "score_pieces": score.counts().kept,  # (every rank's, where they differ)
+                    "score_tokens": score.counts().tokens,
                     "score_forwards": score.forwards}
     stats = [_requested(row, (row["layer"], row["role"]) in asked)
              for n, c in configs.items() for row in c.stats if supplier.get(

@@ -15,8 +15,9 @@ import torch
 
 from ..run.batches import tensors_in
 
-__all__ = ["FIRST_PIECE", "mask_of", "piece_names", "piece_of", "rows_of", "score_batches",
-           "score_pieces", "score_plan", "take_rows", "tokens_of", "with_tokens"]
+__all__ = ["FIRST_PIECE", "mask_of", "no_batches_error", "no_token_error", "piece_names",
+           "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "take_rows",
+           "tokens_of", "with_tokens"]
 
 #: the first scoring piece: this share of the first batch's rows (an early, cheap round
 #: that drops the candidates far behind, :func:`.auto.choose`)
@@ -70,16 +71,26 @@ def tokens_of(b, per_row: bool = False):
     return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
 
 
-def with_tokens(batches, who: str) -> list[int]:
+def with_tokens(batches) -> list[int]:
     """The indices of ``batches`` (or pieces) holding a real token (:func:`tokens_of`): one
     whose attention mask is all 0 (documents of padding only) has no position to compare the
-    model's outputs on. Raises, naming ``who``, where none holds one."""
-    keep = [k for k, b in enumerate(batches) if tokens_of(b)]
-    if not keep:
-        raise ValueError(f"{who}: the documents compared hold no real token (every attention "
-                         f"mask is all 0): nothing to compare the model's outputs on; give "
-                         f"batches with real tokens")
-    return keep
+    model's outputs on (where none holds one: :func:`no_token_error`)."""
+    return [k for k, b in enumerate(batches) if tokens_of(b)]
+
+
+def no_batches_error() -> ValueError:
+    """The error of ``auto``'s model-level scoring given no calibration batch (on no rank)."""
+    return ValueError("calibrate: batches is empty: observer='auto' scores its candidates on "
+                      "the model's outputs (Auto(metric='model')); give calibration batches, "
+                      "or choose per tensor with Auto(metric='tensor')")
+
+
+def no_token_error(who: str) -> ValueError:
+    """The error of scoring documents none of which holds a real token (:func:`with_tokens`),
+    naming ``who``."""
+    return ValueError(f"{who}: the documents compared hold no real token (every attention "
+                      f"mask is all 0): nothing to compare the model's outputs on; give "
+                      f"batches with real tokens")
 
 
 def score_batches(batches, tokens: int):
@@ -109,7 +120,7 @@ def score_plan(batches, tokens: int, first: float = FIRST_PIECE):
     candidates (:func:`.auto.choose`) is cheap; any further batch is one more piece."""
     out = score_batches(batches, tokens)
     plan = [(i, 0, rows_of(b)) for i, b in enumerate(out)]
-    rows = rows_of(out[0])
+    rows = rows_of(out[0]) if out else None  # (no batch: a rank given none holds no piece)
     if rows is None or rows < 2:
         return plan
     cut = min(rows - 1, max(1, round(rows * first)))

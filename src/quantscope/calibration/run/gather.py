@@ -320,20 +320,40 @@ class RankPieces:
         return float(got[:, 0].sum()) * self.scale
 
 
-def share_pieces(div, group=None) -> None:
-    """Make ``div`` (an :class:`~..choice.auto.OutputDivergence`) score across the ranks
-    (:class:`RankPieces`) where they hold different scoring pieces; where every rank holds
-    the same (the same batches passed everywhere) each scores alone, as one process, with
-    no exchange. One tiny all_gather (a CRC of each rank's pieces)."""
+def share_pieces(div, group=None, error: Exception | None = None) -> None:
+    """Make ``div`` (an :class:`~..choice.auto.OutputDivergence` built with
+    ``alone=False``) score across the ranks (:class:`RankPieces`) where they were given
+    different scoring pieces; where every rank was given the same (the same batches
+    passed everywhere) each scores alone, as one process, with no exchange. Then
+    ``div.check_left()``: on every rank's counts (``div.totals``) where they differ, so
+    a rank holding no piece (given no batch, or all of whose pieces were left out)
+    scores with none while another holds some, and where no rank holds one, every rank
+    raises the error one process given all their batches raises. ``error``: what
+    building ``div`` (None then) raised here, raised on every rank (the others naming
+    this one). One tiny all_gather (a CRC of each rank's pieces and its
+    :meth:`~..choice.auto.OutputDivergence.tally`)."""
     if not is_distributed(group):
+        if error is not None:
+            raise error
+        div.check_left()
         return
+    mine = [0] * 5 if div is None else [_crc(div.given), *div.tally()]
+    got = all_gather(torch.tensor([*mine, int(error is not None)], dtype=torch.int64,
+                                  device=group_device(group)), group).cpu()
+    raise_on_all(error, bool(got[:, -1].any()), "auto's scoring", group, same_type=True)
+    if not bool((got == got[0]).all()):  # the counts of them all, as one process's
+        div.totals = type(div.tally())(*got[:, 1:-1].sum(0).tolist())
+    div.check_left()  # (before RankPieces: with no piece on any rank, no mean to take)
+    if div.totals is not None:
+        div.ranks = RankPieces(got[:, 3].tolist(), group)
+        div.pieces = div.ranks.count
+
+
+def _crc(batches) -> int:
+    """A CRC of ``batches``' tensors: their dtypes, shapes and bytes."""
     crc = 0
-    for t in (t for b in div.batches for t in tensors_in(b)):
+    for t in (t for b in batches for t in tensors_in(b)):
         crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
         t = t.detach().reshape(-1).contiguous().cpu()
         crc = zlib.crc32(t.view(torch.uint8).numpy().tobytes(), crc)
-    got = all_gather(torch.tensor([crc, len(div.batches)], dtype=torch.int64,
-                                  device=group_device(group)), group).cpu()
-    if not bool((got == got[0]).all()):
-        div.ranks = RankPieces(got[:, 1].tolist(), group)
-        div.pieces = div.ranks.count
+    return crc

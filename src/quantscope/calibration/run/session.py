@@ -163,11 +163,9 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         check_batches(batches)
         if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
             batches = list(batches)  # read twice: calibrated on, then scored on
-            if not batches:
-                raise ValueError("calibrate: batches is empty: observer='auto' scores its "
-                                 "candidates on the model's outputs (Auto(metric='model')); "
-                                 "give calibration batches, or choose per tensor with "
-                                 "Auto(metric='tensor')")
+            across = opts.runtime.distributed and qd.is_distributed(opts.runtime.group)
+            if not batches and not across:  # (across ranks: on every rank's, auto.py)
+                raise _auto.no_batches_error()
         _check_kv_cache(model, recipes)
         check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
         if top:  # once the checks pass; here, not in the pass: sequential pieces and auto's
