@@ -16,6 +16,7 @@ The session's finish step calls :func:`layer_pick` per layer; the model-level de
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -26,11 +27,13 @@ import torch
 from torch import nn
 
 from ..._checks import outside_quantscope
+from ...comm import LocalError
 from ...estimators.weighted import imatrix_qparams
 from ...layout import Tile
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
 from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
+from ..run.gather import gather_parts
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 from .loss_checks import batch_error, batch_name, finite, loss_error, none_left_error, scalar
 
@@ -51,7 +54,8 @@ _FISHER = "auto (metric 'fisher')"
 
 
 def fisher_weights(model: nn.Module, batches, layers, loss=None,
-                   ignore_non_finite: bool = False) -> dict[str, torch.Tensor]:
+                   ignore_non_finite: bool = False, distributed: bool = False,
+                   group=None) -> dict[str, torch.Tensor]:
     """Per layer, the mean squared gradient of the loss w.r.t. each output feature.
 
     ``loss(output, batch) -> scalar tensor``; by default the model's own loss on the batch's
@@ -65,8 +69,28 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None,
     would make every error NaN. ``ignore_non_finite`` (the ``auto`` roles read NaN / inf as
     zero, ``non_finite="ignore"``): a batch holding NaN / inf, or whose output does, is left
     out of the sums instead, as the ``"model"`` metric leaves it out of its score (none left
-    raises).
+    raises). ``distributed`` (inside the process group ``group``): where the ranks were given
+    different batches, every rank's sums are joined, so each gets the mean over all their
+    batches (and "none left" counts all of them), one process's; an error on one rank raises
+    on every rank (:func:`~..run.gather.gather_parts`).
     """
+    batches = list(batches)
+    failed, part = LocalError() if distributed else contextlib.nullcontext(), None
+    with failed:
+        part = _fisher_sums(model, batches, layers, loss, ignore_non_finite)
+    if distributed:  # (CPU copies: another rank's CUDA tensors would unpickle on its device)
+        every = gather_parts(None if part is None else _on_cpu(part), batches,
+                             "auto's fisher weights", group, failed.error)
+        part = part if every is None else _joined(model, every)
+    sums, counts, seen, used = part
+    if seen and not used:
+        raise none_left_error(_FISHER, seen, "take the loss's gradients on")
+    return {n: s / counts[n] for n, s in sums.items() if s is not None}
+
+
+def _fisher_sums(model, batches, layers, loss, ignore_non_finite):
+    """:func:`fisher_weights`' sums on this process's ``batches``: ``({layer: sum of g^2 over
+    its output rows, None where none}, {layer: rows}, batches seen, batches used)``."""
     mods = {name: model.get_submodule(name) for name in layers}
     sums = {name: None for name in mods}
     counts = dict.fromkeys(mods, 0)
@@ -102,9 +126,27 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None,
             h.remove()
         for p in frozen:
             p.requires_grad_(False)
-    if seen and not used:
-        raise none_left_error(_FISHER, seen, "take the loss's gradients on")
-    return {n: s / counts[n] for n, s in sums.items() if s is not None}
+    return sums, counts, seen, used
+
+
+def _on_cpu(part):
+    """:func:`_fisher_sums`' result with its sums on the CPU."""
+    sums, counts, seen, used = part
+    return {n: None if s is None else s.cpu() for n, s in sums.items()}, counts, seen, used
+
+
+def _joined(model, every):
+    """Every rank's :func:`_fisher_sums` (on the CPU) added up, each layer's sum on the
+    device of its weight (where this rank's would be)."""
+    sums, counts, seen, used = {}, {}, 0, 0
+    for part_sums, part_counts, part_seen, part_used in every:
+        seen, used = seen + part_seen, used + part_used
+        for n, s in part_sums.items():
+            counts[n] = counts.get(n, 0) + part_counts[n]
+            if s is not None:
+                sums[n] = s if sums.get(n) is None else sums[n] + s
+    device = {n: model.get_submodule(n).weight.device for n in sums}
+    return {n: s.to(device[n]) for n, s in sums.items()}, counts, seen, used
 
 
 def _squared_grads(model, batch, k, loss, caught, ignore_non_finite):

@@ -83,9 +83,10 @@ def _observe_imatrix(slots, importance, group) -> None:
     sync_observers(imatrix_roles.held(slots), group)
 
 
-def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
+def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude, fisher=None):
     """``calibrate_many`` across the ranks of ``group``, every rank returning the same result
-    (``conclude``: the session's ``_conclude``, which builds it from the synced slots).
+    (``conclude``: the session's ``_conclude``, which builds it from the synced slots;
+    ``fisher``: the ``"fisher"`` metric's weights, the same on every rank).
 
     Batches are sharded round-robin; each weight is observed by one rank (balanced by
     size) and its state shared; after the local forwards, the activation observers are
@@ -140,7 +141,7 @@ def calibrate_distributed(model, batches, recipes, opts, t0, experts, conclude):
     for counts in experts.counts.values():  # every rank reports the global counts
         counts[:] = [qd.all_sum(c, group) for c in counts]
     return conclude(slots, plans, recipes, n, needs_data, t0, opts, world, groups, experts,
-                    model)
+                    model, fisher=fisher)
 
 
 def _global_counts(n, acts, first_bad, group):

@@ -22,8 +22,8 @@ from ..structure.fingerprint import digest, fingerprint_text
 from .batches import tensors_in
 
 __all__ = ["RankPieces", "assign_by_size", "check_same_slots", "check_same_weights",
-           "gather_failures", "gather_qparams", "gather_samples", "share_pieces",
-           "weight_owners"]
+           "gather_failures", "gather_parts", "gather_qparams", "gather_samples",
+           "share_pieces", "weight_owners"]
 
 
 def assign_by_size(sizes: dict[str, int], world: int | None = None, group=None) -> dict[str, int]:
@@ -347,6 +347,23 @@ def share_pieces(div, group=None, error: Exception | None = None) -> None:
     if div.totals is not None:
         div.ranks = RankPieces(got[:, 3].tolist(), group)
         div.pieces = div.ranks.count
+
+
+def gather_parts(part, batches, what: str, group=None, error: Exception | None = None):
+    """Every rank's ``part``, a small picklable result of its own ``batches`` (None where
+    computing it raised ``error`` here: raised on every rank, the others naming this one,
+    ``what`` failing), in one all_gather_object: by rank where the ranks were given
+    different batches, None where every rank was given the same (each keeps its own, one
+    process's result: ``auto``'s "fisher" weights, :func:`share_pieces`' rule)."""
+    if not is_distributed(group):
+        if error is not None:
+            raise error
+        return None
+    every: list = [None] * world_size(group)
+    dist.all_gather_object(every, None if error is not None else (_crc(batches), part),
+                           group=group)
+    raise_on_all(error, any(e is None for e in every), what, group, same_type=True)
+    return None if len({crc for crc, _ in every}) == 1 else [p for _, p in every]
 
 
 def _crc(batches) -> int:

@@ -195,13 +195,13 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         fisher = None
         if opts.auto.metric == "fisher":
             batches = list(batches)
-            fisher = _fisher_weights(model, batches, recipes, opts.auto)
+            fisher = _fisher_weights(model, batches, recipes, opts.auto, opts.runtime)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
             if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,
-                                             _conclude)
+                                             _conclude, fisher)
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
     checked = (lambda b: check_states(model, run(b))) if top else run  # tied: one state
@@ -341,13 +341,14 @@ def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
     return recipes
 
 
-def _fisher_weights(model, batches, recipes, auto: Auto):
+def _fisher_weights(model, batches, recipes, auto: Auto, runtime: Runtime):
     """:func:`~.layer_choice.fisher_weights` of the ``auto`` recipes' weights ("fisher")."""
     autos = [r for r in recipes.values() if has_auto(r)]
     layers = {layer for r in autos for layer, (_, rs) in r.match(model).items() if "weight" in rs}
     ignore = all(map(ignores_non_finite, autos))
     return layer_choice.fisher_weights(model, _auto.score_batches(batches, auto.score_tokens),
-                                       sorted(layers), auto.loss, ignore)
+                                       sorted(layers), auto.loss, ignore, runtime.distributed,
+                                       runtime.group)
 
 
 def _calibrate_local(model, batches, recipes, opts: Options, t0, experts, fisher):
