@@ -172,6 +172,27 @@ def test_fisher_default_loss_without_input_ids_names_auto_loss():
         fisher_weights(_mlp_batches()[0], [torch.randn(2, 32)], ["0"])
 
 
+def test_fisher_leaves_a_batch_of_padding_only_out_as_model_does():
+    # mutation round (s45): a batch whose attention mask is all 0 has no token to take a loss
+    # on; "model" leaves such a batch out (score_set.with_tokens), fisher raised that the
+    # model's own loss was NaN and told the user to pass Auto.loss, which cannot help
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 12), generator=g),
+                "attention_mask": torch.ones(2, 12, dtype=torch.long)} for _ in range(3)]
+    padding = {**batches[0], "attention_mask": torch.zeros(2, 12, dtype=torch.long)}
+    layers = ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
+    got = fisher_weights(model, [padding, *batches[1:]], layers)
+    want = fisher_weights(model, batches[1:], layers)
+    assert got.keys() == want.keys() == set(layers)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    quantscope.calibrate(model, [padding, *batches[1:]], "w8a8", observer="auto",
+                         auto=Auto(("minmax", "mse"), "fisher"), progress=False)
+    with pytest.raises(ValueError, match=r"auto \(metric 'fisher'\): the documents compared "
+                                         r"hold no real token"):
+        fisher_weights(model, [padding, padding], layers)
+
+
 @pytest.mark.parametrize(("loss", "got"), [
     (lambda o, b: o.square().mean(0), r"a tensor of shape \(16,\)"),  # a vector per feature
     (lambda o, b: float(o.square().mean()), "float"),  # a number: nothing to differentiate

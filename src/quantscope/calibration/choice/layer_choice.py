@@ -36,6 +36,7 @@ from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
 from ..run.gather import gather_parts
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 from .loss_checks import batch_error, batch_name, finite, loss_error, none_left_error, scalar
+from .score_set import no_token_error, tokens_of
 
 __all__ = ["IMATRIX", "JOINT_ROWS", "LAYER_METRICS", "fisher_weights", "imatrix_state",
            "joint_choice", "layer_pick", "spread_rows"]
@@ -69,7 +70,9 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None,
     would make every error NaN. ``ignore_non_finite`` (the ``auto`` roles read NaN / inf as
     zero, ``non_finite="ignore"``): a batch holding NaN / inf, or whose output does, is left
     out of the sums instead, as the ``"model"`` metric leaves it out of its score (none left
-    raises). ``distributed`` (inside the process group ``group``): where the ranks were given
+    raises). A batch of padding only (its attention mask all 0) has no token to take a loss
+    on: it is left out, as ``"model"`` leaves it out (none holding a token raises).
+    ``distributed`` (inside the process group ``group``): where the ranks were given
     different batches, every rank's sums are joined, so each gets the mean over all their
     batches (and "none left" counts all of them), one process's; an error on one rank raises
     on every rank (:func:`~..run.gather.gather_parts`).
@@ -82,15 +85,18 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None,
         every = gather_parts(None if part is None else _on_cpu(part), batches,
                              "auto's fisher weights", group, failed.error)
         part = part if every is None else _joined(model, every)
-    sums, counts, seen, used = part
-    if seen and not used:
-        raise none_left_error(_FISHER, seen, "take the loss's gradients on")
+    sums, counts, (seen, real, used) = part
+    if seen and not real:
+        raise no_token_error(_FISHER)
+    if real and not used:
+        raise none_left_error(_FISHER, real, "take the loss's gradients on")
     return {n: s / counts[n] for n, s in sums.items() if s is not None}
 
 
 def _fisher_sums(model, batches, layers, loss, ignore_non_finite):
     """:func:`fisher_weights`' sums on this process's ``batches``: ``({layer: sum of g^2 over
-    its output rows, None where none}, {layer: rows}, batches seen, batches used)``."""
+    its output rows, None where none}, {layer: rows}, (batches seen, of them holding a real
+    token, used))``."""
     mods = {name: model.get_submodule(name) for name in layers}
     sums = {name: None for name in mods}
     counts = dict.fromkeys(mods, 0)
@@ -106,13 +112,16 @@ def _fisher_sums(model, batches, layers, loss, ignore_non_finite):
     frozen = [p for m in mods.values() for p in m.parameters(recurse=False)
               if not p.requires_grad and p.is_floating_point()]
     handles = [m.register_forward_hook(hook_for(name)) for name, m in mods.items()]
-    seen = used = 0
+    seen = real = used = 0
     try:
         for p in frozen:
             p.requires_grad_(True)
         # a graph needs normal mode: calibrate is often called under inference_mode
         with eval_mode(model), torch.inference_mode(False):
             for seen, batch in enumerate(batches, 1):
+                if not tokens_of(batch):  # padding only: no position to take a loss on
+                    continue
+                real += 1
                 caught.clear()
                 squares = _squared_grads(model, batch, seen - 1, loss, caught,
                                          ignore_non_finite)
@@ -126,27 +135,27 @@ def _fisher_sums(model, batches, layers, loss, ignore_non_finite):
             h.remove()
         for p in frozen:
             p.requires_grad_(False)
-    return sums, counts, seen, used
+    return sums, counts, (seen, real, used)
 
 
 def _on_cpu(part):
     """:func:`_fisher_sums`' result with its sums on the CPU."""
-    sums, counts, seen, used = part
-    return {n: None if s is None else s.cpu() for n, s in sums.items()}, counts, seen, used
+    sums, counts, tallies = part
+    return {n: None if s is None else s.cpu() for n, s in sums.items()}, counts, tallies
 
 
 def _joined(model, every):
     """Every rank's :func:`_fisher_sums` (on the CPU) added up, each layer's sum on the
     device of its weight (where this rank's would be)."""
-    sums, counts, seen, used = {}, {}, 0, 0
-    for part_sums, part_counts, part_seen, part_used in every:
-        seen, used = seen + part_seen, used + part_used
+    sums, counts = {}, {}
+    tallies = tuple(map(sum, zip(*(part[2] for part in every))))
+    for part_sums, part_counts, _ in every:
         for n, s in part_sums.items():
             counts[n] = counts.get(n, 0) + part_counts[n]
             if s is not None:
                 sums[n] = s if sums.get(n) is None else sums[n] + s
     device = {n: model.get_submodule(n).weight.device for n in sums}
-    return {n: s.to(device[n]) for n, s in sums.items()}, counts, seen, used
+    return {n: s.to(device[n]) for n, s in sums.items()}, counts, tallies
 
 
 def _squared_grads(model, batch, k, loss, caught, ignore_non_finite):
