@@ -37,7 +37,7 @@ from .recipe_dict import (
     role_options,
 )
 from .role_observers import AUTO, check_taken, ct_observer, kv_observed, observed, weight_observer
-from .structure.placement import no_weight_role
+from .structure.placement import taken_roles
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
            "Role", "Rule", "preset", "scheme", "weight_observer"]
@@ -46,8 +46,6 @@ ROLES = ("weight", "input", "output")
 #: what ``observer="auto"`` chooses from (those registered; weights take memoryless variants)
 DEFAULT_CANDIDATES = ("minmax", "mse", "percentile", "entropy", "mix", "histogram_mse")
 DYNAMIC_MODES = (False, True, "local")
-#: modules whose input is indices, not an activation: a rule's input role skips them
-_INDEXED = (nn.Embedding, nn.EmbeddingBag)
 
 
 @dataclass(frozen=True)
@@ -285,25 +283,6 @@ class Recipe:
         # patterns as written (a string is one pattern) and a kv_cache name ("fp8") as Recipe()
         kv = lambda v, at: Role.from_dict(v, at) if isinstance(v, Mapping) else v
         return cls(**fields_from(cls, d, "Recipe", rules=_rules, kv_cache=kv))
-
-
-def taken_roles(name: str, module: nn.Module, rule: Rule, recipe: str = "custom"):
-    """``(roles, why)``: the roles of ``rule`` that ``module`` takes, and why none. A weight
-    role takes a weight Parameter of 2 dims or more, with the rule's other roles, as
-    compressed-tensors quantizes the Linear / Embedding layers a target matches, not the
-    modules holding them nor norms (a computed weight raises); an Embedding no input role."""
-    roles = rule.roles()
-    weight = getattr(module, "weight", None) if "weight" in roles else None  # a parametrized
-    if weight is not None and not isinstance(weight, nn.Parameter):  # one is computed if read
-        raise ValueError(f"recipe {recipe!r}: module {name!r} ({type(module).__name__}) "
-                         f"matches {rule.targets} with a weight role but has no weight parameter")
-    if "weight" in roles and (weight is None or not isinstance(  # a lazy one: refused later
-            weight, nn.parameter.UninitializedParameter) and weight.dim() < 2):
-        return {}, no_weight_role(module)
-    if isinstance(module, _INDEXED):  # its input is token ids: no activation there
-        roles.pop("input", None)
-    return roles, None if roles else ("takes no input role (Embedding / EmbeddingBag: its "
-                                      "input is token ids); give a weight role")
 
 
 #: ``kv_cache=`` names: the KV cache format vLLM's ``kv_cache_dtype`` takes

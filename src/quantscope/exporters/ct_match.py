@@ -79,7 +79,8 @@ def winners(qconfig, rules, ignore, of, model):
     the group of the recipe's rule for it (:func:`precedence`); a module it takes no role
     of (one holding the matched Linears, a norm) is left out, as compressed-tensors
     quantizes only the Linear / Embedding layers a target matches."""
-    from ..calibration.recipe import Recipe, taken_roles
+    from ..calibration.recipe import Recipe
+    from ..calibration.structure.placement import taken_roles
 
     if not rules:  # a KV cache alone
         return

@@ -13,12 +13,15 @@ held in memory; two placements hold less, and are refused up front, naming the p
   an offloaded model is loaded without offload, or calibrated the same way from its folder.
 
 A module's own weights (:func:`own_weights`) are what the refusals of a module quantscope does
-not quantize name: an LSTM's ``weight_ih_l0``, none of a block's (its layers hold them).
+not quantize name: an LSTM's ``weight_ih_l0``, none of a block's (its layers hold them). They
+decide which roles of a recipe's rule a module takes (:func:`taken_roles`), and why none
+(:func:`no_weight_role`).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,9 +31,12 @@ from torch.nn.utils import parametrize
 from ..._checks import write_refused
 from ...observers.base import is_dtensor
 
+if TYPE_CHECKING:  # a type only: recipe imports this module
+    from ..recipe import Rule
+
 __all__ = ["check_module", "check_placement", "held_weight", "is_block", "loaded_copies",
            "no_weight_role", "own_weights", "plain", "refuse_compiled", "restore_problem", "stored",
-           "unhooked"]
+           "taken_roles", "unhooked"]
 
 _SEQUENTIAL = ("calibrate it block by block from its checkpoint: calibrate(empty_model(folder), "
                "..., sequential=Sequential(checkpoint=folder))")
@@ -223,6 +229,29 @@ def no_weight_role(module: nn.Module) -> str:
             f"which quantscope does not quantize (it quantizes a layer's `weight`: a "
             f"Linear's, a convolution's, an Embedding's); give it a rule with an input role "
             f"alone, or rules on the Linear layers around it")
+
+
+#: modules whose input is indices, not an activation: a rule's input role skips them
+_INDEXED = (nn.Embedding, nn.EmbeddingBag)
+
+
+def taken_roles(name: str, module: nn.Module, rule: Rule, recipe: str = "custom"):
+    """``(roles, why)``: the roles of ``rule`` that ``module`` takes, and why none. A weight
+    role takes a weight Parameter of 2 dims or more, with the rule's other roles, as
+    compressed-tensors quantizes the Linear / Embedding layers a target matches, not the
+    modules holding them nor norms (a computed weight raises); an Embedding no input role."""
+    roles = rule.roles()
+    weight = getattr(module, "weight", None) if "weight" in roles else None  # a parametrized
+    if weight is not None and not isinstance(weight, nn.Parameter):  # one is computed if read
+        raise ValueError(f"recipe {recipe!r}: module {name!r} ({type(module).__name__}) "
+                         f"matches {rule.targets} with a weight role but has no weight parameter")
+    if "weight" in roles and (weight is None or not isinstance(  # a lazy one: refused later
+            weight, nn.parameter.UninitializedParameter) and weight.dim() < 2):
+        return {}, no_weight_role(module)
+    if isinstance(module, _INDEXED):  # its input is token ids: no activation there
+        roles.pop("input", None)
+    return roles, None if roles else ("takes no input role (Embedding / EmbeddingBag: its "
+                                      "input is token ids); give a weight role")
 
 
 def refuse_compiled(model: nn.Module, who: str) -> None:
