@@ -255,14 +255,17 @@ class Recipe:
 
     def with_observer(self, observer: str, **options) -> Recipe:
         """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
-        :func:`weight_observer`) with ``options`` and their own it takes; one none keeps raises."""
+        :func:`weight_observer`) with ``options`` and their own it takes; run-time roles
+        (``dynamic=True``) keep theirs, with those of ``options`` it takes. An option no role
+        takes, calibrated or run-time, raises (it would be dropped)."""
         rules = tuple(replace(r, **{k: observed(getattr(r, k), k, observer, options)
                                     for k in ROLES}) for r in self.rules)
         # the KV cache takes a named observer: auto leaves it as it is
         kv = self.kv_cache if observer == AUTO else observed(self.kv_cache, "key", observer,
                                                              options)
-        runs = [(k, observer) for r in self.rules for k, v in r.roles().items() if v.needs_data]
-        check_taken(f"recipe {self.name!r}", runs + [("key", observer)] * (kv is not None), options)
+        roles = [(k, v) for r in self.rules for k, v in r.roles().items()]
+        roles += [("key", self.kv_cache)] * (kv is not None)
+        check_taken(f"recipe {self.name!r}", [(k, v, observer) for k, v in roles], options)
         return replace(self, rules=rules, name=self.name, kv_cache=kv)
 
     @property
@@ -428,16 +431,15 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
         if args is None:
             continue
         dynamic = args.dynamic if isinstance(args.dynamic, bool) else "local"
-        if dynamic is True:  # computed at run time: nothing to observe (non_finite reaches it)
-            roles[role] = observed(Role(llmcompressor_spec(args, role), "memoryless_minmax",
-                                        True), role, "memoryless_minmax", options)
-            continue
-        own = ct_observer(key, role, args.observer) if observer is None else observer
-        if observer is None and role != "weight":
+        if dynamic is True:  # computed at run time: keeps its observer, with those it takes
+            own = "memoryless_minmax"
+        else:
+            own = ct_observer(key, role, args.observer) if observer is None else observer
+        if observer is None and role != "weight" and dynamic is not True:
             own_options(f"scheme {key!r}", role, own, options)
-        roles[role] = observed(Role(llmcompressor_spec(args, role), own, dynamic), role, own,
-                               options)
-        runs.append((role, own))
+        bare = Role(llmcompressor_spec(args, role), own, dynamic)
+        roles[role] = observed(bare, role, own, options)
+        runs.append((role, bare, own))
     check_taken(f"scheme {key!r}", runs, options)  # as Recipe.with_observer: none dropped
     return Recipe((Rule(targets, **roles),), ignore, key)
 

@@ -67,6 +67,22 @@ def _kept(kind: str, observer: str, options: dict) -> tuple[str, dict]:
     return name, (options if name == observer else _accepted(name, observer, options))
 
 
+def _keeps_own(role) -> bool:
+    """Whether ``role`` keeps its own observer whichever a recipe is built from, taking those
+    of the options that observer takes: a run-time role (``dynamic=True``: nothing is
+    calibrated, its observer computes the qparams of each forward)."""
+    return role.dynamic is True
+
+
+def _ran(kind: str, role, observer: str, options: dict) -> tuple[str, str, dict]:
+    """``(kind, name, kept)``: what :func:`observed` makes of ``role`` (of ``kind``) under
+    ``observer``, the observer it runs and the ``options`` it keeps; a run-time role's kind
+    says so."""
+    if _keeps_own(role):
+        return f"run-time {kind}", role.observer, _accepted(role.observer, role.observer, options)
+    return (kind, *_kept(kind, observer, options))
+
+
 def observed(role, kind: str, observer: str, options: dict):
     """``role`` (of ``kind``: weight, input ...) running ``observer`` (weights: its
     :func:`weight_observer`) with ``options`` and those of its own it takes; a run-time role
@@ -75,10 +91,9 @@ def observed(role, kind: str, observer: str, options: dict):
     as zero, as the calibrated roles do); None as it is."""
     if role is None:
         return role
-    if role.dynamic is True:
-        taken = _accepted(role.observer, role.observer, options)
-        return replace(role, options={**dict(role.options), **taken}) if taken else role
-    name, kept = _kept(kind, observer, options)
+    _, name, kept = _ran(kind, role, observer, options)
+    if _keeps_own(role):
+        return replace(role, options={**dict(role.options), **kept}) if kept else role
     own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
     return replace(role, observer=name, options={**own, **kept})
 
@@ -101,12 +116,12 @@ def _taken(name: str, kept: dict) -> dict:
 
 
 def check_taken(where: str, runs, options: dict) -> None:
-    """Raise ``ValueError`` for an option of ``options`` that no calibrated role takes, or
-    that a role keeps but its observer does not take: ``runs`` holds the ``(kind, observer)``
-    :func:`observed` gets for each. A weight's memoryless variant keeps only those it takes,
-    the other roles all: a typo would otherwise be dropped silently, or fail only at
-    calibration (the observer's ``__init__``)."""
-    ran = [(kind, *_kept(kind, observer, options)) for kind, observer in runs]
+    """Raise ``ValueError`` for an option of ``options`` that no role takes, calibrated or
+    run-time, or that a role keeps but its observer does not take: ``runs`` holds the
+    ``(kind, role, observer)`` :func:`observed` gets for each. A weight's memoryless variant
+    and a run-time role keep only those they take, the other roles all: a typo would otherwise
+    be dropped silently, or fail only at calibration (the observer's ``__init__``)."""
+    ran = [_ran(kind, role, observer, options) for kind, role, observer in runs]
     taken = {k for _, name, kept in ran for k in _taken(name, kept)}
     extra = sorted(set(options) - taken)
     if extra:
