@@ -36,7 +36,7 @@ from .recipe_dict import (
     preset_key,
     role_options,
 )
-from .role_observers import AUTO, check_taken, ct_observer, kv_observed, observed, weight_observer
+from .role_observers import AUTO, check_taken, ct_observer, observed, weight_observer
 from .structure.placement import taken_roles
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -254,15 +254,13 @@ class Recipe:
         return FirstMatch([self.ignore]), FirstMatch(r.targets for r in self.rules)
 
     def with_observer(self, observer: str, **options) -> Recipe:
-        """A copy whose calibrated roles (not dynamic) run ``observer`` (weights: its
-        :func:`weight_observer`) with ``options`` and their own it takes; run-time roles
-        (``dynamic=True``) keep theirs, with those of ``options`` it takes. An option no role
-        takes, calibrated or run-time, raises (it would be dropped)."""
+        """A copy whose calibrated roles (not dynamic) and KV cache run ``observer`` (weights:
+        its :func:`weight_observer`) with ``options`` and their own it takes; run-time roles
+        (``dynamic=True``), and the KV cache under ``auto`` (which chooses no KV scales), keep
+        theirs, with those of ``options`` it takes. An option no role takes raises."""
         rules = tuple(replace(r, **{k: observed(getattr(r, k), k, observer, options)
                                     for k in ROLES}) for r in self.rules)
-        # the KV cache takes a named observer: auto leaves it as it is
-        kv = self.kv_cache if observer == AUTO else observed(self.kv_cache, "key", observer,
-                                                             options)
+        kv = observed(self.kv_cache, "key", observer, options)
         roles = [(k, v) for r in self.rules for k, v in r.roles().items()]
         roles += [("key", self.kv_cache)] * (kv is not None)
         check_taken(f"recipe {self.name!r}", [(k, v, observer) for k, v in roles], options)
@@ -381,16 +379,14 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
     observer = "minmax" if observer is None else observer
     targets = ("Linear",) if targets is None else targets
     kv_cache = KV_PRESETS.get(key) if kv_cache is None else kv_cache
-    if named_kv := isinstance(kv_cache, str):  # a format name: observed as activations are
-        kv_cache = kv_observed(kv_cache_role(kv_cache), observer, options)
-    # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list);
-    # a named KV cache keeps the options too, so with_observer checks none is dropped
+    named_kv = isinstance(kv_cache, str)  # a format name: with_observer observes it
+    # Rule and Recipe read targets / ignore (a string is one pattern, None no ignore list)
     recipe = Recipe((replace(RECIPES[key](observer), targets=targets),), ignore, key,
-                    kv_cache=kv_cache if named_kv else None)
-    (rule,) = recipe.with_observer(observer, **options).rules
+                    kv_cache=kv_cache if named_kv else None).with_observer(observer, **options)
+    (rule,) = recipe.rules
     if own_input:  # the observer llm-compressor's scheme gives these inputs
         rule = replace(rule, input=observed(rule.input, "input", own_input, options))
-    return replace(recipe, rules=(rule,), kv_cache=kv_cache)
+    return replace(recipe, rules=(rule,), kv_cache=recipe.kv_cache if named_kv else kv_cache)
 
 
 def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignore=(),

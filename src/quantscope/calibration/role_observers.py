@@ -1,14 +1,17 @@
 """Which observer, with which options, a recipe's role runs when a recipe is built from one
 observer name (:meth:`~quantscope.calibration.recipe.Recipe.with_observer`, the presets and
 schemes): weights take the name's memoryless variant, and each role keeps the options of its
-own the new observer takes."""
+own the new observer takes; run-time roles, and the KV cache under ``auto``, keep their
+observer and take those of the options it takes."""
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import replace
 
-__all__ = ["AUTO", "check_taken", "ct_observer", "kv_observed", "observed", "unknown_options",
+from .structure.kv_cache import ROLES as KV_ROLES
+
+__all__ = ["AUTO", "check_taken", "ct_observer", "observed", "unknown_options",
            "weight_observer"]
 
 AUTO = "auto"
@@ -67,19 +70,22 @@ def _kept(kind: str, observer: str, options: dict) -> tuple[str, dict]:
     return name, (options if name == observer else _accepted(name, observer, options))
 
 
-def _keeps_own(role) -> bool:
-    """Whether ``role`` keeps its own observer whichever a recipe is built from, taking those
-    of the options that observer takes: a run-time role (``dynamic=True``: nothing is
-    calibrated, its observer computes the qparams of each forward)."""
-    return role.dynamic is True
+def _keeps_own(kind: str, role, observer: str) -> bool:
+    """Whether ``role`` (of ``kind``) keeps its own observer when a recipe is built from
+    ``observer``, taking those of the options that observer takes: a run-time role
+    (``dynamic=True``: nothing is calibrated, its observer computes the qparams of each
+    forward) and, under ``auto``, a KV cache role (auto chooses no KV scales: a named observer,
+    min-max for ``kv_cache="fp8"``, which ``auto``'s candidates each run too)."""
+    return role.dynamic is True or (kind in KV_ROLES and observer == AUTO)
 
 
 def _ran(kind: str, role, observer: str, options: dict) -> tuple[str, str, dict]:
     """``(kind, name, kept)``: what :func:`observed` makes of ``role`` (of ``kind``) under
     ``observer``, the observer it runs and the ``options`` it keeps; a run-time role's kind
     says so."""
-    if _keeps_own(role):
-        return f"run-time {kind}", role.observer, _accepted(role.observer, role.observer, options)
+    if _keeps_own(kind, role, observer):
+        label = f"run-time {kind}" if role.dynamic is True else kind
+        return label, role.observer, _accepted(role.observer, role.observer, options)
     return (kind, *_kept(kind, observer, options))
 
 
@@ -88,24 +94,15 @@ def observed(role, kind: str, observer: str, options: dict):
     :func:`weight_observer`) with ``options`` and those of its own it takes; a run-time role
     (``dynamic=True``: nothing observed) keeps its run-time observer, with those of
     ``options`` it takes (``non_finite``: its sample and its run-time ranges read NaN / inf
-    as zero, as the calibrated roles do); None as it is."""
+    as zero, as the calibrated roles do), and so does a KV cache role under ``auto``
+    (:func:`_keeps_own`); None as it is."""
     if role is None:
         return role
     _, name, kept = _ran(kind, role, observer, options)
-    if _keeps_own(role):
+    if _keeps_own(kind, role, observer):
         return replace(role, options={**dict(role.options), **kept}) if kept else role
     own = dict(role.options) if name == AUTO else _accepted(name, name, dict(role.options))
     return replace(role, observer=name, options={**own, **kept})
-
-
-def kv_observed(role, observer: str, options: dict):
-    """A KV cache ``role`` (a preset's named one) running ``observer`` with ``options``; under
-    ``auto``, min-max (the KV cache takes no candidates: :meth:`Recipe.with_observer` leaves
-    it as it is) with those of ``options`` min-max takes, as each candidate gets those it
-    takes (``percentile`` goes to the percentile candidate alone)."""
-    if observer == AUTO:
-        return observed(role, "key", "minmax", _accepted("minmax", "minmax", options))
-    return observed(role, "key", observer, options)
 
 
 def _taken(name: str, kept: dict) -> dict:

@@ -19,6 +19,7 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     from dataclasses import replace
 
     from ..calibration import recipe as R
+    from ..calibration.role_observers import observed
 
     observer = observer or args.observer  # None: each preset's / scheme's own observers
     kw = {"targets": tuple(args.targets or DEFAULT_TARGETS), "ignore": ignored(args, model)}
@@ -29,9 +30,9 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
         rec = R.preset(name, observer, **kw)
     else:
         rec = R.scheme(name or args.scheme, observer, **kw)
-    if getattr(args, "kv_cache", None):
-        rec = replace(rec, kv_cache=replace(R.kv_cache_role(args.kv_cache), observer=(
-            "minmax" if observer in (None, R.AUTO) else observer)))
+    if getattr(args, "kv_cache", None):  # as preset's kv_cache: auto keeps its min-max
+        rec = replace(rec, kv_cache=observed(R.kv_cache_role(args.kv_cache), "key",
+                                             observer or "minmax", {}))
         if args.targets == []:  # `--targets` and no pattern: no layer, the KV cache alone
             rec = replace(rec, rules=())
     if args.group_size is not None and R.has_groups(rec):
