@@ -21,7 +21,6 @@ decide which roles of a recipe's rule a module takes (:func:`taken_roles`), and 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,9 +29,6 @@ from torch.nn.utils import parametrize
 
 from ..._checks import write_refused
 from ...observers.base import is_dtensor
-
-if TYPE_CHECKING:  # a type only: recipe imports this module
-    from ..recipe import Rule
 
 __all__ = ["check_module", "check_placement", "held_weight", "is_block", "loaded_copies",
            "no_weight_role", "own_weights", "plain", "refuse_compiled", "restore_problem", "stored",
@@ -235,8 +231,9 @@ def no_weight_role(module: nn.Module) -> str:
 _INDEXED = (nn.Embedding, nn.EmbeddingBag)
 
 
-def taken_roles(name: str, module: nn.Module, rule: Rule, recipe: str = "custom"):
-    """``(roles, why)``: the roles of ``rule`` that ``module`` takes, and why none. A weight
+def taken_roles(name: str, module: nn.Module, rule, recipe: str = "custom"):
+    """``(roles, why)``: the roles of ``rule`` (a :class:`~..recipe.Rule`: recipe imports this
+    module, so it is not imported here) that ``module`` takes, and why none. A weight
     role takes a weight Parameter of 2 dims or more, with the rule's other roles, as
     compressed-tensors quantizes the Linear / Embedding layers a target matches, not the
     modules holding them nor norms (a computed weight raises); an Embedding no input role."""
