@@ -14,6 +14,7 @@ from torch import nn
 
 import quantscope
 from quantscope.calibration import Recipe, Role, Rule, calibrate_many
+from quantscope.calibration.run import tied_roles
 from quantscope.layout import Group
 
 
@@ -34,10 +35,11 @@ def _llama(tied=True, share_q=False):
     return model, [{"input_ids": torch.randint(0, 128, (2, 12), generator=g)} for _ in range(2)]
 
 
-def _pair(first=None) -> nn.Sequential:
-    """Two 8-wide layers, the second holding the first's weight Parameter (``first``: the
-    first layer, a Linear by default)."""
-    model = nn.Sequential(first or nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8, bias=False))
+def _pair(first=None, width=8) -> nn.Sequential:
+    """Two ``width``-wide layers, the second holding the first's weight Parameter (``first``:
+    the first layer, a Linear by default)."""
+    model = nn.Sequential(first or nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, width, bias=False))
     model[2].weight = model[0].weight
     return model
 
@@ -58,6 +60,7 @@ def _no_pass(monkeypatch):
     monkeypatch.setattr("quantscope.calibration.run.session.observe_batches", boom)
 
 
+INT8 = quantscope.QuantSpec("int8", "channel")
 _BOTH = ("calibrate: recipe 'w4a16': model.embed_tokens.weight and lm_head.weight are one "
          "weight (a tied Parameter, or one memory), but ")
 _FIX = "ignore one of the layers in the recipe (it then runs the other's QDQ), or untie"
@@ -110,6 +113,48 @@ def test_imatrix_roles_with_different_importances_are_refused_before_the_pass(mo
     _refused_before_the_pass(monkeypatch, model, recipe,
                              r"0\.weight and 2\.weight are one weight .* but their weight "
                              r"roles' options differ \(importance\), and")
+
+
+def test_roles_differing_in_the_observer_alone_are_refused_before_the_pass(monkeypatch):
+    """minmax and mse give one weight two scales (mse shrinks the range): the observer is
+    compared with the spec."""
+    recipe = Recipe((Rule(("0",), weight=Role(INT8, "minmax")),
+                     Rule(("2",), weight=Role(INT8, "mse"))), name="two")
+    _refused_before_the_pass(monkeypatch, _pair(), recipe,
+                             r"0\.weight and 2\.weight are one weight .* but their weight roles "
+                             r"differ \(int8 channel:0 sym 'minmax' vs int8 channel:0 sym 'mse'\)")
+
+
+def test_roles_differing_in_the_dynamic_mode_alone_are_refused_before_the_pass(monkeypatch):
+    """NVFP4 block scales calibrated (``dynamic=False``) on one holder and computed at run time
+    under a calibrated global scale (``"local"``) on the other: one weight quantized two ways."""
+    nvfp4 = quantscope.presets.NVFP4
+    recipe = Recipe((Rule(("0",), weight=Role(nvfp4, "minmax", False)),
+                     Rule(("2",), weight=Role(nvfp4, "minmax", "local"))), name="two")
+    _refused_before_the_pass(monkeypatch, _pair(width=16), recipe,
+                             r"0\.weight and 2\.weight are one weight .* but their weight roles "
+                             r"differ", [torch.randn(4, 16)])
+
+
+def test_an_option_either_role_alone_sets_is_a_difference(monkeypatch):
+    """The options are compared over both roles' keys: one only the second role sets (the
+    other takes the observer's default) is a difference as one only the first sets."""
+    plain, shrunk = Role(INT8, "mse"), Role(INT8, "mse", options={"maxshrink": 0.5})
+    for a, b in ((plain, shrunk), (shrunk, plain)):
+        recipe = Recipe((Rule(("0",), weight=a), Rule(("2",), weight=b)), name="two")
+        _refused_before_the_pass(monkeypatch, _pair(), recipe,
+                                 r"0\.weight and 2\.weight are one weight .* but their weight "
+                                 r"roles' options differ \(maxshrink\), and")
+
+
+@pytest.mark.parametrize("x,y", [(1.0, torch.tensor([1.0, 1.0])),
+                                 (torch.tensor([1.0, 1.0]), 1.0)], ids=["number", "tensor"])
+def test_an_option_of_another_type_on_each_side_differs(x, y):
+    """A number against a tensor of several values, whichever side holds the tensor: ``==``
+    gives a tensor whose bool() raises; the values differ (never a crash, never equal)."""
+    assert tied_roles._equal(x, y) is False
+    assert tied_roles._equal(torch.linspace(1, 2, 8), torch.linspace(1, 2, 8)) is True
+    assert tied_roles._equal(0.5, 0.5) is True
 
 
 def test_a_conv1d_and_a_linear_over_one_weight_are_refused_before_the_pass(monkeypatch):
