@@ -1,6 +1,7 @@
 """Small models built in place for tests that span packages (no download, no real weights):
 a word-level tokenizer, random-weight BERT (with MiniLM's tokenizer) and Llama folders, a
-Llama in memory, and a random-weight Mixtral whose routers starve one expert."""
+Llama in memory, a random-weight Mixtral whose routers starve one expert, and a layer whose
+output is NaN on a finite input."""
 
 import math
 
@@ -87,6 +88,14 @@ def starve(router, expert=STARVED):
         top, idx = torch.topk(probs, mod.top_k, -1)
         return out[0], top / top.sum(-1, keepdim=True), idx
     return router.register_forward_hook(hook)
+
+
+class Sqrt(torch.nn.Module):
+    """The square root of its input: NaN where that is negative, so that a finite batch makes
+    a model's float output NaN (the batch's fault, not a loss's or a quantizer's)."""
+
+    def forward(self, x):
+        return x.sqrt()
 
 
 def llama(seed=0):

@@ -5,8 +5,13 @@ for every candidate alike. Errors name a scoring piece as one, with the batch it
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
+from tiny_models import Sqrt
+from torch import nn
 
 from quantscope.calibration import Auto, apply, calibrate, calibrate_many, preset, sensitivity
 from quantscope.calibration.choice.score_set import score_pieces
@@ -57,6 +62,21 @@ def test_auto_leaves_a_piece_without_tokens_out_of_every_candidates_score():
         assert info["scores"][n] == pytest.approx(direct, rel=1e-3, abs=1e-12)
 
 
+def test_sequential_auto_leaves_a_piece_without_tokens_out_as_the_whole_model_does():
+    """Block by block (sequential=True) the pieces are batch numbers and rows, their real
+    tokens read from the user's batches, not the block's inputs (which hold no mask)."""
+    model, batches = _llama()
+    whole = calibrate(model, batches, "w8a8", observer="auto", auto=Auto(candidates=NAMES),
+                      progress=False)
+    seq = calibrate(model, batches, "w8a8", observer="auto", auto=Auto(candidates=NAMES),
+                    progress=False, sequential=True)
+    # 3 pieces (rows 0:1 and 1:4 of batch 0, batch 1), the first of no real token: 36 + 48
+    # real tokens scored on the other two
+    for info in (whole.info["auto"], seq.info["auto"]["blocks"]["model.layers.0"]):
+        assert info["score_pieces"] == 2 and info["score_tokens"] == 84
+        assert all(0 < v < math.inf for v in info["scores"].values())
+
+
 def test_auto_refuses_documents_with_no_real_token_at_all():
     model, batches = _llama()
     for b in batches:
@@ -73,6 +93,47 @@ def test_an_error_on_a_scoring_piece_names_the_piece_and_its_batch_rows():
                                          r"0:1 of calibration batch 0, counting from 0\), "):
         calibrate(model, batches, "w8a8", progress=False, observer="auto",
                   auto=Auto(candidates=NAMES, loss=lambda out, ref, b: float("nan")))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8)).eval()
+
+
+def test_an_error_after_a_nan_piece_was_left_out_names_its_own_piece():
+    """Piece 0 (a NaN batch) left out under non_finite='ignore': the loss's NaN on batch 2
+    names scoring piece 2, its own, not piece 1 (its place among the pieces kept)."""
+    model = _mlp()
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    batches[0][0, 0] = float("nan")
+
+    def loss(out, ref, batch):  # NaN on batch 2 alone, whose outputs are finite
+        return float("nan") if batch is batches[2] else float((out - ref).square().mean())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN batch left out
+        with pytest.raises(ValueError, match=r"^auto: loss returned nan on scoring piece 2 "
+                                             r"\(calibration batch 2, counting from 0\)"):
+            calibrate(model, batches, preset("w8a8", "auto", non_finite="ignore"),
+                      auto=Auto(candidates=NAMES, loss=loss), progress=False)
+
+
+def test_a_nan_float_output_names_the_scoring_piece_and_its_batch():
+    """A finite batch on which the float model's output is NaN: the piece is named as one,
+    with its calibration batch (not as "batch 1" alone, which reads as a calibration batch)."""
+    model = nn.Sequential(nn.Linear(16, 8), Sqrt()).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(0.1)
+        model[0].bias.fill_(40.0)  # outputs 0.1 * sum(x) + 40: positive on ordinary batches
+    torch.manual_seed(0)
+    batches = [torch.randn(8, 16) for _ in range(3)]
+    batches[1] = torch.full((8, 16), -50.0)  # its float output: sqrt(-40), NaN
+    assert torch.isnan(model(batches[1])).all() and not torch.isnan(model(batches[0])).any()
+    with pytest.raises(ValueError, match=r"^auto: scoring piece 1 \(calibration batch 1, "
+                                         r"counting from 0\) brought NaN or inf values \(the "
+                                         r"float model's output on it is not finite\)"):
+        calibrate(model, batches, "w8a8", observer="auto", auto=Auto(candidates=NAMES),
+                  progress=False)
 
 
 def test_sensitivity_leaves_a_batch_without_tokens_out():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import Sqrt
 from torch import nn
 
 import quantscope
@@ -115,6 +116,74 @@ def test_fisher_leaves_nan_batches_out_of_the_weights_under_ignore(monkeypatch):
         b[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"every scoring batch \(3\) brought NaN"):
         fisher_weights(model, bad, ["0", "2"], _square_mean, ignore_non_finite=True)
+
+
+def _mean_squared_grads(model, batches, layer, loss):
+    """The fisher weights of ``layer`` written out: d loss / d output by autograd on each batch,
+    squared, averaged over all the rows of those batches per output feature."""
+    rows, seen = [], []
+    h = model.get_submodule(layer).register_forward_hook(lambda m, a, out: seen.append(out))
+    for b in batches:
+        (g,) = torch.autograd.grad(loss(model(b), b), seen[-1])
+        rows.append(g.detach().reshape(-1, g.shape[-1]).square())
+    h.remove()
+    return torch.cat(rows).mean(0)
+
+
+def test_fisher_leaves_a_batch_whose_output_is_nan_out_under_ignore_and_names_it_otherwise():
+    """A finite batch whose float output is NaN is the batch's fault, as a NaN batch is: left
+    out of the weights under ignore, named otherwise (not blamed on the loss)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Sqrt()).eval()
+    with torch.no_grad():
+        model[0].bias.fill_(50.0)  # outputs positive on ordinary batches
+    good = [torch.randn(4, 8) for _ in range(2)]
+    bad = torch.full((4, 8), -100.0)  # finite, its outputs negative: sqrt gives NaN
+    assert torch.isnan(model(bad)).any()
+    got = fisher_weights(model, [good[0], bad, good[1]], ["0"], _square_mean,
+                         ignore_non_finite=True)
+    want = _mean_squared_grads(model, good, "0", _square_mean)
+    assert torch.allclose(got["0"], want, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match=r"batch 1 \(counting from 0\) brought NaN or inf "
+                                         r"values \(the float model's output on it is not"):
+        fisher_weights(model, [good[0], bad, good[1]], ["0"], _square_mean)
+
+
+class _Ban(nn.Module):
+    """Its input with the last feature banned: -inf, as a logits processor bans a token."""
+
+    def forward(self, x):
+        return torch.cat([x[..., :-1], torch.full_like(x[..., -1:], -float("inf"))], -1)
+
+
+def test_fisher_counts_a_batch_whose_logits_hold_minus_inf_under_ignore():
+    """A banned token's -inf logit is a finite output (probability 0): the batch's gradients
+    count, under ignore too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Ban()).eval()
+    batches = [torch.randn(4, 8) for _ in range(2)]
+
+    def loss(out, batch):  # finite: the banned feature left out
+        return _square_mean(out[..., :-1], batch)
+
+    got = fisher_weights(model, batches, ["0"], loss, ignore_non_finite=True)
+    assert torch.allclose(got["0"], _mean_squared_grads(model, batches, "0", loss), rtol=1e-5,
+                          atol=0)
+
+
+@pytest.mark.parametrize("metric", ["joint", "fisher"])
+def test_a_nan_error_in_the_per_layer_descent_names_its_metric(monkeypatch, metric):
+    """The error of a NaN joint error names the metric the run asked for (fisher weighs the
+    joint descent's errors): "fisher" is no "joint" run."""
+    model, batches = _mlp_batches()
+    # the rows the descent prices: NaN (as a NaN row in the sample would make them)
+    monkeypatch.setattr(layer_choice, "spread_rows",
+                        lambda x, n: torch.full_like(x[:n], float("nan")))
+    loss = _square_mean if metric == "fisher" else None
+    with pytest.raises(ValueError, match=rf"^calibrate: auto metric '{metric}', layer '0': the "
+                                         rf"output error of weight candidate .* is NaN"):
+        quantscope.calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                             auto=Auto(("minmax", "mse"), metric, loss=loss))
 
 
 def test_fisher_refuses_a_nan_batch_and_a_nan_gradient_without_ignore():

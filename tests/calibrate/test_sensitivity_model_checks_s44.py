@@ -14,6 +14,7 @@ from torch import nn
 
 import quantscope
 from quantscope.calibration import Outliers
+from quantscope.calibration.choice import output_sensitivity
 from quantscope.calibration.choice.sensitivity import layer_sensitivity
 
 pytest.importorskip("transformers")
@@ -97,3 +98,18 @@ def test_a_model_with_qdq_applied_is_refused_by_layer_sensitivity():
             ValueError, match="^layer_sensitivity: the model has quantscope QDQ applied .* "
                               "fake-quantized model"):
         layer_sensitivity(model, xs, calib)
+
+
+@pytest.mark.parametrize("who,call", [("sensitivity", output_sensitivity.measure),
+                                      ("layer_sensitivity", layer_sensitivity)],
+                         ids=["sensitivity", "layer_sensitivity"])
+def test_a_model_that_is_no_module_is_refused_naming_its_type(who, call):
+    """None, or the Calibration passed in the model's place: refused naming the call and the
+    type before anything reads the model (not an AttributeError from apply()'s checks)."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8)]
+    calib = quantscope.calibrate(nn.Sequential(nn.Linear(8, 8)), xs, "w8a8", progress=False)
+    for bad, name in ((None, "NoneType"), (calib, "Calibration")):
+        with pytest.raises(TypeError, match=rf"^{who}: model must be a torch.nn.Module, got "
+                                            rf"{name}$"):
+            call(bad, xs, calib)
