@@ -69,3 +69,66 @@ def test_the_picked_layer_is_where_one_recipes_observers_differ_most():
     assert plots.pick_layer(report, recipe="w8a8") == "b"
     assert plots.pick_layer(report, recipe="fp8") == "a"
     assert plots.pick_layer(report, recipe="nvfp4") == "a"
+
+
+def _input_row(layer, dynamic=False, sqnr=30.0) -> dict:
+    """A report row of ``layer``'s input, clipped to [-1, 1] by min-max."""
+    return {"layer": layer, "role": "input", "sqnr_db": sqnr, "dynamic": dynamic,
+            "requested": "minmax", "observer": "minmax", "clip_lo": -1.0, "clip_hi": 1.0}
+
+
+def _report(runs: dict, hist=("a", "b")) -> dict:
+    """A compare report of ``{recipe: rows}``, one minmax run per recipe in that order, with
+    input histograms of the layers ``hist``."""
+    return {"runs": {f"{rec}/minmax": {"recipe": rec, "observer": "minmax", "layers": rows}
+                     for rec, rows in runs.items()},
+            "histograms": {f"{layer}/input": {"counts": [1, 4, 4, 1], "lo": -1.5, "hi": 1.5}
+                           for layer in hist}}
+
+
+def test_the_recipe_drawn_on_a_layer_is_the_first_with_a_static_range_of_that_layer():
+    """r1 quantizes a's input statically and b's at run time, r2 both statically: b's
+    histogram draws r2's range (r1 has none of b), a's the first recipe's."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"r1": [_input_row("a"), _input_row("b", dynamic=True)],
+                      "r2": [_input_row("a"), _input_row("b")]})
+    assert plots.drawable_recipes(report) == ["r1", "r2"]
+    assert plots.drawable_recipes(report, layer="a") == ["r1", "r2"]
+    assert plots.drawable_recipes(report, layer="b") == ["r2"]
+    assert plots.histogram_choice(report, layer="b") == ("b", "r2")
+    assert plots.histogram_choice(report, layer="a") == ("a", "r1")
+
+
+def test_a_recipe_whose_static_layers_have_no_histogram_is_not_drawn():
+    """r1's one static input (x) has no histogram in the report: nothing of r1 to draw; the
+    histogram is r2's, of its layer with one."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"r1": [_input_row("x")], "r2": [_input_row("x"), _input_row("a")]},
+                     hist=("a",))
+    assert plots.drawable_recipes(report) == ["r2"]
+    assert plots.pick_layer(report, recipe="r1") is None
+    assert plots.histogram_choice(report) == ("a", "r2")
+
+
+def test_recipes_come_in_the_reports_order():
+    """The first recipe drawn is the report's first (the order compare ran them in), not the
+    first by name."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"zeta": [_input_row("a")], "alpha": [_input_row("a")]})
+    assert plots.drawable_recipes(report) == ["zeta", "alpha"]
+    assert plots.histogram_choice(report) == ("a", "zeta")
+
+
+def test_static_rows_without_an_sqnr_leave_no_layer_to_pick_saying_so():
+    """A static range to draw, but no SQNR to choose the layer by (every row's is None): the
+    caller is asked to name the layer, not handed a None layer."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"r1": [_input_row("a", sqnr=None)]}, hist=("a",))
+    with pytest.raises(ValueError, match=r"^plot: no input SQNR of recipe 'r1' to choose the "
+                                         r"layer by: name one$"):
+        plots.histogram_choice(report)
+    assert plots.histogram_choice(report, layer="a") == ("a", "r1")
