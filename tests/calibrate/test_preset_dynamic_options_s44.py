@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from quantscope.calibration import apply, calibrate, preset
+from quantscope.calibration import Role, apply, calibrate, preset
 from quantscope.calibration.recipe import Recipe
+from quantscope.calibration.role_observers import observed
 from quantscope.qdq import fake_quantize
 from quantscope.qparams import qparams_from_range
 
@@ -44,6 +45,33 @@ def test_an_option_the_run_time_observer_does_not_take_stays_off_it():
     rule = Recipe(preset("w8a8-dynamic").rules).with_observer("mse", non_finite="ignore",
                                                               maxshrink=0.5).rules[0]
     assert dict(rule.input.options) == {"non_finite": "ignore"}
+
+
+def _saying_error(role: Role) -> Role:
+    return replace(role, options={"non_finite": "error"})
+
+
+def test_given_options_override_a_run_time_roles_own_as_a_calibrated_roles():
+    """The options given with an observer are the run's: they replace a run-time role's own
+    (non_finite "error" given "ignore"), as they do a calibrated role's; none given keeps
+    its own."""
+    runtime = _saying_error(preset("w8a8-dynamic").rules[0].input)
+    static = _saying_error(Role(runtime.spec, "minmax"))
+    for role in (runtime, static):
+        got = observed(role, "input", "minmax", {"non_finite": "ignore"})
+        assert dict(got.options) == {"non_finite": "ignore"}, role
+    assert observed(runtime, "input", "minmax", {}).options == runtime.options
+
+
+def test_with_observer_gives_every_role_the_non_finite_option():
+    """``with_observer(non_finite="ignore")`` on a recipe whose roles say "error": every role
+    ignores NaN / inf, the run-time input too (which keeps its run-time observer)."""
+    rule = preset("w8a8-dynamic").rules[0]
+    recipe = Recipe((replace(rule, weight=_saying_error(rule.weight),
+                             input=_saying_error(rule.input)),), name="r")
+    got = recipe.with_observer("minmax", non_finite="ignore").rules[0]
+    assert dict(got.weight.options) == dict(got.input.options) == {"non_finite": "ignore"}
+    assert got.input.dynamic is True and got.input.observer == "memoryless_minmax"
 
 
 @pytest.mark.parametrize("observer", ["minmax", "auto"])

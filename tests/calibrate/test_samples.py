@@ -3,7 +3,7 @@ import torch
 from op_names import OpNames
 from torch import nn
 
-from quantscope.calibration import Sampling, calibrate
+from quantscope.calibration import Sampling, calibrate, preset
 from quantscope.calibration.run import observe
 from quantscope.calibration.run.samples import RowSample, capacities
 
@@ -70,6 +70,37 @@ def test_an_empty_batch_leaves_its_share_to_the_next():
         s.add(torch.randn(0 if k == 3 else 40, 16))
         assert s.count == (k if k == 3 else k + 1) * 64 // 7  # floor(64 k / 7) after batch k
     assert s.count == 64
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 5, 7), -3), ((3, 9), -2)], ids=["conv2d", "conv1d"])
+def test_an_unbatched_conv_input_gives_channel_rows(shape, axis):
+    """A conv's rows run along its channel axis (-3 for Conv2d, -2 for Conv1d), also for an
+    unbatched input ([C, H, W] / [C, L], which torch's convolutions take), whose dim is
+    -axis: the channels moved last, one row per position, not the last dim read as rows."""
+    x = torch.randn(*shape)
+    s = RowSample(capacity=1000, batches=1, generator=torch.Generator().manual_seed(0), axis=axis)
+    s.add(x)
+    rows, want = s.rows(), x.movedim(0, -1).reshape(-1, shape[0])
+    assert rows.shape == want.shape
+    # every position once (the sample took them all), in some order
+    assert torch.equal(rows[rows[:, 0].argsort()], want[want[:, 0].argsort()])
+
+
+def test_a_conv2d_called_unbatched_samples_its_channels():
+    """calibrate on [C, H, W] images: the per-tensor input's sample is of channel rows (width
+    C), as for batched [N, C, H, W] ones, not rows of width W (then skipped: another width)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    images = [torch.randn(3, 8, 6) for _ in range(2)]
+    recipe = preset("w8a8", "static_minmax", targets=["Conv2d"])
+
+    def input_row(xs):
+        cal = calibrate(model, xs, recipe, sampling=Sampling(tokens=100_000), progress=False)
+        return next(r for r in cal.report().rows if r["layer"] == "0" and r["role"] == "input")
+
+    row, ref = input_row(images), input_row([x[None] for x in images])
+    assert row["numel"] == ref["numel"] == 2 * 3 * 8 * 6  # every value of both images
+    assert row["sqnr_db"] == pytest.approx(ref["sqnr_db"], rel=1e-6)
 
 
 def test_row_sample_empty_and_width_change():
