@@ -75,10 +75,13 @@ def test_record_non_finite_is_the_same_test_on_both_paths(device, lo, hi, seen):
 
 
 @pytest.mark.parametrize("count", [0, 1, 16, 2**33 + 3])
-@pytest.mark.parametrize("shape", [(7, 33), (0, 33)])  # units to launch for, and none
+@pytest.mark.parametrize("shape", [(7, 33), (2500, 3), (0, 33)], ids=["units", "3-programs",
+                                                                     "none"])
 def test_the_state_launch_adds_the_token_count(device, count, shape):
     """The state launch adds the call's tokens itself (no launch of their own), a count
-    past int32 included; with no unit (no launch) they are added all the same."""
+    past int32 included, once however many programs it has (2500 units: three of 1024, the
+    count added by program 0 alone); with no unit (no launch) they are added all the
+    same."""
     units = torch.randn(shape)
     ref = _state(units, 0)
     minmax.minmax_observe(units, *ref, minmax.UPDATES["min"], 0.0, count)
@@ -89,3 +92,16 @@ def test_the_state_launch_adds_the_token_count(device, count, shape):
     assert ("aten.add_" in seen.names) == (not units.numel())
     assert int(got[3]) == int(ref[3]) == 5 + count
     assert all(torch.equal(a, b.cpu()) for a, b in zip(ref[:3], got[:3]))
+
+
+def test_a_flag_only_launch_of_three_programs_adds_the_token_count_once(device):
+    """No state to update (kind 0: the non-finite flag alone) over 2500 units: one launch of
+    three programs, the flag set from the third's units, the count added once."""
+    units = torch.randn(2500, 3, generator=torch.Generator().manual_seed(0))
+    units[2400, 1] = float("nan")
+    lo, hi = units.amin(1).to(device), units.amax(1).to(device)
+    seen = torch.zeros((), dtype=torch.bool, device=device)
+    tokens = torch.full((), 5, dtype=torch.int64, device=device)
+    qs_triton.launchers("minmax", lo).update_state(lo, hi, None, None, seen, 0, 0.0, 1,
+                                                   tokens, 7)
+    assert int(tokens) == 5 + 7 and bool(seen)
