@@ -125,15 +125,42 @@ def test_roles_differing_in_the_observer_alone_are_refused_before_the_pass(monke
                              r"differ \(int8 channel:0 sym 'minmax' vs int8 channel:0 sym 'mse'\)")
 
 
-def test_roles_differing_in_the_dynamic_mode_alone_are_refused_before_the_pass(monkeypatch):
+_FP4 = r"fp4_e2m1 block:16 sym scale=fp8_e4m3"
+
+
+@pytest.mark.parametrize("second,differ", [
+    ("minmax", r"dynamic False vs 'local'"),
+    ("mse", rf"{_FP4} 'minmax' vs {_FP4} 'mse'; dynamic False vs 'local'"),
+], ids=["dynamic", "observer-and-dynamic"])
+def test_roles_differing_in_the_dynamic_mode_are_refused_naming_it(monkeypatch, second, differ):
     """NVFP4 block scales calibrated (``dynamic=False``) on one holder and computed at run time
-    under a calibrated global scale (``"local"``) on the other: one weight quantized two ways."""
+    under a calibrated global scale (``"local"``) on the other: one weight quantized two ways,
+    refused before the pass. The error names the dynamic modes (where the roles differ in
+    that alone it printed the same spec and observer on both sides)."""
     nvfp4 = quantscope.presets.NVFP4
     recipe = Recipe((Rule(("0",), weight=Role(nvfp4, "minmax", False)),
-                     Rule(("2",), weight=Role(nvfp4, "minmax", "local"))), name="two")
+                     Rule(("2",), weight=Role(nvfp4, second, "local"))), name="two")
     _refused_before_the_pass(monkeypatch, _pair(width=16), recipe,
                              r"0\.weight and 2\.weight are one weight .* but their weight roles "
-                             r"differ", [torch.randn(4, 16)])
+                             rf"differ \({differ}\), and", [torch.randn(4, 16)])
+
+
+def test_option_tensors_on_two_devices_differ():
+    """torch.equal refuses tensors on two devices (meta standing in for a GPU): the values
+    differ, never a crash."""
+    assert tied_roles._equal(torch.ones(2), torch.ones(2, device="meta")) is False
+
+
+def test_a_number_and_a_tensor_option_are_refused_in_either_order(monkeypatch):
+    """One option given as a number on one rule and a 0-d tensor on the other: refused
+    whichever rule comes first (the number first, the pre-check took them as equal)."""
+    number, tensor = (Role(INT8, "mse", options={"maxshrink": v})
+                      for v in (0.5, torch.tensor(0.5)))
+    for a, b in ((number, tensor), (tensor, number)):
+        recipe = Recipe((Rule(("0",), weight=a), Rule(("2",), weight=b)), name="two")
+        _refused_before_the_pass(monkeypatch, _pair(), recipe,
+                                 r"0\.weight and 2\.weight are one weight .* but their weight "
+                                 r"roles' options differ \(maxshrink\), and")
 
 
 def test_an_option_either_role_alone_sets_is_a_difference(monkeypatch):
@@ -147,12 +174,14 @@ def test_an_option_either_role_alone_sets_is_a_difference(monkeypatch):
                                  r"roles' options differ \(maxshrink\), and")
 
 
-@pytest.mark.parametrize("x,y", [(1.0, torch.tensor([1.0, 1.0])),
-                                 (torch.tensor([1.0, 1.0]), 1.0)], ids=["number", "tensor"])
-def test_an_option_of_another_type_on_each_side_differs(x, y):
-    """A number against a tensor of several values, whichever side holds the tensor: ``==``
-    gives a tensor whose bool() raises; the values differ (never a crash, never equal)."""
-    assert tied_roles._equal(x, y) is False
+@pytest.mark.parametrize("number,tensor", [(1.0, torch.tensor([1.0, 1.0])),
+                                           (1.0, torch.tensor(1.0))], ids=["several", "one"])
+def test_an_option_of_another_type_on_each_side_differs(number, tensor):
+    """A number against a tensor, whichever side holds the tensor: the values differ (a tensor
+    equals only a tensor of its shape and values), never a crash (``==`` of several values
+    gives a tensor whose bool() raises), and never equal in one order alone (the order of the
+    rules in the recipe)."""
+    assert tied_roles._equal(number, tensor) is tied_roles._equal(tensor, number) is False
     assert tied_roles._equal(torch.linspace(1, 2, 8), torch.linspace(1, 2, 8)) is True
     assert tied_roles._equal(0.5, 0.5) is True
 

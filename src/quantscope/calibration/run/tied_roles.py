@@ -55,8 +55,9 @@ def _apart(a, b, auto=None) -> str | None:
     """Why weight roles ``a`` and ``b`` of one weight may give it two states, None if they
     give it one: the roles differ, or the observer reads the layer, not the weight alone
     (``auto``: the :class:`~..options.Auto` an ``auto`` role chooses by)."""
-    if (a.spec, a.observer, a.dynamic) != (b.spec, b.observer, b.dynamic):
-        return f"their weight roles differ ({a.spec} {a.observer!r} vs {b.spec} {b.observer!r})"
+    fields = _fields_apart(a, b)
+    if fields:
+        return f"their weight roles differ ({fields})"
     # option by option: Role's == cannot compare tensors of several values (an importance)
     ao, bo = dict(a.options), dict(b.options)
     keys = sorted(k for k in {*ao, *bo} if not _equal(ao.get(k), bo.get(k)))
@@ -70,6 +71,18 @@ def _apart(a, b, auto=None) -> str | None:
     return None
 
 
+def _fields_apart(a, b) -> str:
+    """What differs between weight roles ``a`` and ``b`` outside their options, each as
+    "a's vs b's" ("" if nothing): the spec and observer (printed together), and the dynamic
+    mode on its own (roles differing in it alone print alike by spec and observer)."""
+    apart = []
+    if (a.spec, a.observer) != (b.spec, b.observer):
+        apart.append(f"{a.spec} {a.observer!r} vs {b.spec} {b.observer!r}")
+    if a.dynamic != b.dynamic:
+        apart.append(f"dynamic {a.dynamic!r} vs {b.dynamic!r}")
+    return "; ".join(apart)
+
+
 def _by_weight_alone(role, auto) -> bool:
     """Whether ``auto`` chooses a weight ``role``'s qparams by the weight alone: the metric
     ``"tensor"`` (each candidate's error on the weight itself), no candidate weighing by the
@@ -80,10 +93,15 @@ def _by_weight_alone(role, auto) -> bool:
 
 
 def _equal(x, y) -> bool:
-    """Whether two option values are equal (tensors: same shape and values)."""
+    """Whether two option values are equal, in either order: a tensor only to a tensor of its
+    shape and values (an observer may compute otherwise with a number than with a tensor of
+    its value, by the tensor's dtype or device; ``==`` of several values is a tensor whose
+    bool() raises), anything else by ``==``."""
     try:
-        return bool(x == y) if not isinstance(x, torch.Tensor) else (
-            isinstance(y, torch.Tensor) and x.shape == y.shape and bool(torch.equal(x, y)))
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.shape == y.shape and bool(torch.equal(x, y)))
+        return bool(x == y)
     except (RuntimeError, TypeError):
         return False
 
