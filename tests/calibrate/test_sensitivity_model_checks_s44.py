@@ -100,9 +100,14 @@ def test_a_model_with_qdq_applied_is_refused_by_layer_sensitivity():
         layer_sensitivity(model, xs, calib)
 
 
+def _public_sensitivity(model, batches, calibration):
+    return quantscope.sensitivity(model, batches, calibration=calibration)
+
+
 @pytest.mark.parametrize("who,call", [("sensitivity", output_sensitivity.measure),
+                                      ("sensitivity", _public_sensitivity),
                                       ("layer_sensitivity", layer_sensitivity)],
-                         ids=["sensitivity", "layer_sensitivity"])
+                         ids=["measure", "sensitivity", "layer_sensitivity"])
 def test_a_model_that_is_no_module_is_refused_naming_its_type(who, call):
     """None, or the Calibration passed in the model's place: refused naming the call and the
     type before anything reads the model (not an AttributeError from apply()'s checks)."""

@@ -486,9 +486,9 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
                          f"{' and '.join(unused)} (how `recipe` is calibrated without it) "
                          f"would be ignored; give one or the other")
     check_batches(batches, "sensitivity")
+    check_placement(model, "sensitivity")  # first: a TypeError where model is no module
     refuse_compiled(model, "sensitivity")
     refuse_applied(model, "sensitivity")
-    check_placement(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
     if not batches:
         raise ValueError("sensitivity: batches is empty: the divergence is measured on "
