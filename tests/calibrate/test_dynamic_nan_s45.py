@@ -123,7 +123,7 @@ def test_a_fused_dynamic_input_is_checked_once_for_the_group():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("shape", [(), (7,), (5, 9), (2, 3, 40)])
+@pytest.mark.parametrize("shape", [(), (7,), (5, 9), (2, 3, 40), (2, 256, 160)])  # last: C
 def test_flag_tensor_sets_the_flag_exactly_where_a_value_is_not_finite(dtype, shape):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g).to(dtype)

@@ -12,13 +12,15 @@ its tensor does, the calibration's hook keeps a flag of its own, set by :func:`f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...kernels import ops
 from ...stats.minmax import (
+    KERNEL_MIN_NUMEL,
     MINMAX_DTYPES,
     any_non_finite,
-    record_ends,
     record_non_finite,
     unit_minmax,
 )
@@ -131,24 +133,24 @@ def watched(slots) -> list:
 
 def flag_tensor(x: torch.Tensor, slot) -> None:
     """``slot.seen_non_finite`` (one bool, moved to ``x``'s device as the observers are) set
-    where the float tensor ``x`` (not empty) holds NaN or an infinity, reading nothing back
-    off the CPU: the min / max of each of its rows (NaN propagates), tested as an observer
-    tests them. Off the CPU two ops of the observers' own (``unit_minmax``,
-    ``record_non_finite``: two launches); on it one C pass that also finds the two ends,
-    read here."""
+    where the float tensor ``x`` (not empty) holds NaN or an infinity (min / max propagate
+    both). Off the CPU, reading nothing back: two ops of the observers' own (``unit_minmax``
+    of its rows, ``record_non_finite``: two launches). On the CPU a read costs nothing: the
+    tensor's two ends, tested here (torch's ``aminmax`` for a small tensor, 2-3 us; one C
+    pass from :data:`KERNEL_MIN_NUMEL` elements on, where it is the faster)."""
     if slot.seen_non_finite.device != x.device:
         slot.seen_non_finite = slot.seen_non_finite.to(x.device, non_blocking=True)
     seen = slot.seen_non_finite
-    if x.dtype not in MINMAX_DTYPES:  # float64: as it is (as float32, a finite value overflows)
+    if x.is_cpu:  # float64 as it is (as float32, a finite value past its range overflows)
+        small = x.numel() < KERNEL_MIN_NUMEL or x.dtype not in MINMAX_DTYPES
+        lo, hi = torch.aminmax(x) if small else unit_minmax(x.reshape(1, -1))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            seen.fill_(True)
+    elif x.dtype not in MINMAX_DTYPES:
         seen.bitwise_or_(any_non_finite(torch.stack(torch.aminmax(x))))
-        return
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
-    if not rows.is_cpu:
+    else:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         record_non_finite(*ops.unit_minmax(rows), seen)
-        return
-    ends = torch.empty(2, dtype=torch.float32)
-    unit_minmax(rows, ends=ends)
-    record_ends(ends, seen)
 
 
 def _read(groups) -> dict[int, bool]:
