@@ -8,6 +8,7 @@ records the roles that saw no data under the ``missing`` policy.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import replace
@@ -412,11 +413,20 @@ class _States:
 
 def _stats(key, x, state) -> dict:
     """:func:`~.report.tensor_stats` of role ``key`` (``(layer, role)``), errors naming it (a
-    run-time role's NaN / inf raised in the pass: :func:`.non_finite.watched`)."""
+    run-time input's NaN / inf raised in the pass: :func:`.non_finite.watched`). A run-time
+    weight has no observer either: its range, read here, raises on NaN / inf as an observed
+    weight's does (unless its options read them as zero)."""
     try:
-        return tensor_stats(x, state)
+        st = tensor_stats(x, state)
     except ValueError as e:
         raise ValueError(f"calibrate: layer {key[0]!r} {key[1]}: {e}") from None
+    if (key[1] == "weight" and state.dynamic is True
+            and dict(state.options).get("non_finite") != "ignore"
+            and not (math.isfinite(st["min"]) and math.isfinite(st["max"]))):
+        raise ValueError(f"calibrate: layer {key[0]!r} weight holds NaN or inf values (dynamic "
+                         f"role, observer {state.observer!r}); fix the model's weights, or give "
+                         f"the role options={{'non_finite': 'ignore'}} to read them as zero")
+    return st
 
 
 def stats_row(layer, role, state: RoleState, st: dict) -> dict:
