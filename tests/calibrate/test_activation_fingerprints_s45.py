@@ -148,9 +148,11 @@ def test_a_calibration_saved_before_activation_fingerprints_applies_unchecked(kv
         cal.save(tmp_path / name)
         meta_path = tmp_path / name / "quantscope.json"
         meta = json.loads(meta_path.read_text())
+        assert meta["version"] == 2  # a version-1 reader refuses these fingerprints: "got 2"
         for roles in meta["layers"].values():
             for d in roles.values():
                 assert d.pop("fingerprint")
+        meta["version"] = 1  # as an older quantscope wrote it
         meta_path.write_text(json.dumps(meta))
         old = load(tmp_path / name)
         assert all(st.fingerprint is None for r in old.states.values() for st in r.values())
@@ -209,3 +211,14 @@ def test_fused_and_k_eq_v_caches_record_the_projection_kv_routing_uses(build, wa
     with pytest.raises(ValueError, match=rf"model\.layers\.1\.self_attn\.{want[1][1]}\.weight "
                                          rf"is not the weight calibrated"):
         cal.check_model(other, "export")
+
+
+def test_a_version_this_quantscope_does_not_read_is_refused_naming_those_it_does(tmp_path):
+    model, batches = llama()
+    calibrate(model, batches, "w8a8", progress=False).save(tmp_path / "cal")
+    meta_path = tmp_path / "cal" / "quantscope.json"
+    meta = json.loads(meta_path.read_text())
+    meta["version"] = 3
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"version: this quantscope reads versions 1, 2, got 3"):
+        load(tmp_path / "cal")

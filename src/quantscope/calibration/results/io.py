@@ -36,7 +36,7 @@ from ..structure.fingerprint import check_fingerprint_text
 from .info_check import info_problem
 from .result import Calibration
 from .role_state import RoleState
-from .saving import FORMAT, META, SMOOTH, TENSORS, VERSION, safetensors, save
+from .saving import FORMAT, META, READS, SMOOTH, TENSORS, safetensors, save
 
 __all__ = ["META", "TENSORS", "load", "save"]
 
@@ -111,9 +111,9 @@ def load(path, device="cpu") -> Calibration:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise _Damaged(f"load: {meta_path} is not a quantscope calibration (format {got!r})")
     version = meta.get("version")
-    if type(version) is not int or version != VERSION:
-        raise bad(meta_path, "version", f"this quantscope reads version {VERSION}, got "
-                                        f"{version!r}")
+    if type(version) is not int or version not in READS:
+        raise bad(meta_path, "version", f"this quantscope reads versions "
+                                        f"{', '.join(map(str, READS))}, got {version!r}")
     for key, kind in (("layers", dict), ("recipe", dict), ("info", dict), ("label", str)):
         if key in ("layers", "recipe") and key not in meta:
             raise bad(meta_path, key, "missing")

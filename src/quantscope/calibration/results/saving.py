@@ -12,12 +12,16 @@ from ...exporters.atomic import atomic_dir
 from .info_check import info_problem
 from .report import json_text
 
-__all__ = ["FORMAT", "META", "SMOOTH", "TENSORS", "VERSION", "safetensors", "save"]
+__all__ = ["FORMAT", "META", "READS", "SMOOTH", "TENSORS", "VERSION", "safetensors", "save"]
 
 TENSORS = "qparams.safetensors"
 META = "quantscope.json"
 FORMAT = "quantscope-calibration"
-VERSION = 1
+#: the version written; 2: a static input / output or KV-cache role may carry the fingerprint
+#: of the weight its values came through (a version-1 reader refuses that, so it reads "got 2")
+VERSION = 2
+#: the versions read (1: fingerprints on weight roles only; nothing else differs)
+READS = (1, 2)
 #: key prefix of SmoothQuant's per-channel scales in the tensors file (``Calibration.smoothing``);
 #: a layer may be named ``#smooth`` too: load reads the roles' keys first (:func:`_check_smooth`)
 SMOOTH = "#smooth/"
