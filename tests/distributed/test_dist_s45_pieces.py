@@ -93,6 +93,9 @@ def _llama_scenarios(r, out):
     out["none"] = _auto(model, mine if r == 0 else [])
     out["no token anywhere"] = _auto(model, [_docs(masked=True)])
     out["no batch anywhere"] = _auto(model, [], recipe="w8a8-dynamic")
+    # review (s45): static inputs: the pass's own "batches is empty" came first, after every
+    # candidate was calibrated; one process refuses before any pass with auto's
+    out["no batch anywhere, static inputs"] = _auto(model, [])
 
 
 def _scenarios(r, out):
@@ -148,6 +151,8 @@ def test_a_rank_with_no_real_token_or_no_batch_scores_with_no_piece(ranks):
     ("all nan", "ValueError: auto: every scoring batch (2) brought NaN or inf values"),
     ("no token anywhere", "ValueError: auto: the documents compared hold no real token"),
     ("no batch anywhere", "ValueError: calibrate: batches is empty: observer='auto' scores"),
+    ("no batch anywhere, static inputs",
+     "ValueError: calibrate: batches is empty: observer='auto' scores"),
 ])
 def test_no_piece_on_any_rank_raises_one_process_error_on_every_rank(ranks, key, message):
     errs = _agreed(ranks, key)

@@ -86,14 +86,6 @@ def _as_recipe(recipe, observer) -> Recipe:
     return recipe
 
 
-def _check_kv_cache(model, recipes) -> None:
-    """kv_cache needs an attention module in the model (a sequential piece may have none)."""
-    asked = [r.name for r in recipes.values() if r.kv_cache is not None]
-    if asked and not kv_cache.attention_modules(model):
-        raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
-                         f"attention module with k_proj, v_proj or qkv_proj (transformers')")
-
-
 def calibrate_many(model: nn.Module, batches, recipes, *, sampling: Sampling | None = None,
                    auto: Auto | None = None, moe: MoE | None = None,
                    outliers: Outliers | None = None, sequential=None,
@@ -161,18 +153,23 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
           if opts.runtime.distributed else contextlib.nullcontext()):
         recipes = _checked(model, recipes, opts, top)
         check_batches(batches)
-        if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
+        scored = opts.auto.metric == "model" and any(map(has_auto, recipes.values()))
+        if scored:
             batches = list(batches)  # read twice: calibrated on, then scored on
             across = opts.runtime.distributed and qd.is_distributed(opts.runtime.group)
-            if not batches and not across:  # (across ranks: on every rank's, auto.py)
+            if not batches and not across:  # (across ranks: below, once every rank is here)
                 raise _auto.no_batches_error()
-        _check_kv_cache(model, recipes)
+        kv_cache.check_asked(model, recipes.values())
         check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
         if top:  # once the checks pass; here, not in the pass: sequential pieces and auto's
             # candidates calibrate through inner calls
             warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
     if top and opts.runtime.distributed:  # every rank here: its checks passed on all
         check_same_options(opts, opts.runtime.group)
+        # one collective on every rank, whatever its recipes (a rank not scoring adds 1)
+        given = qd.all_sum(len(batches) if scored else 1, opts.runtime.group)
+        if scored and not given:  # no batch on any rank: one process's error, before a pass
+            raise _auto.no_batches_error()
 
     def run(batches):  # the calibration itself; keep_float's ranking follows it
         if opts.sequential is not None:

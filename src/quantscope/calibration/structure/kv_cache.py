@@ -33,7 +33,7 @@ from torch import nn
 
 from ..._versions import require
 
-__all__ = ["ROLES", "attach", "attention_modules", "projection"]
+__all__ = ["ROLES", "attach", "attention_modules", "check_asked", "projection"]
 
 ROLES = ("key", "value")
 _PREFIX = "quantscope_kv_"
@@ -47,6 +47,15 @@ _PROJECTIONS = ("k_proj", "v_proj", "qkv_proj")
 #: (the callbacks hold role states, never the module)
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Callable[[str, torch.Tensor], torch.Tensor]] = \
     weakref.WeakKeyDictionary()
+
+
+def check_asked(model: nn.Module, recipes) -> None:
+    """A recipe's ``kv_cache`` needs an attention module in the model (a sequential piece
+    may have none): else the ``ValueError`` naming the recipe."""
+    asked = [r.name for r in recipes if r.kv_cache is not None]
+    if asked and not attention_modules(model):
+        raise ValueError(f"calibrate: recipe {asked[0]!r} sets kv_cache but the model has no "
+                         f"attention module with k_proj, v_proj or qkv_proj (transformers')")
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
