@@ -88,6 +88,17 @@ def _scenarios(r, out):
     mine = {0: _batches(2, seed=1), 1: [*_batches(1, seed=2), _nan(_batches(1, seed=3)[0])]}
     out["weights"] = _weights(mine[r], True, ignore=True)
     out["weights/one process"] = _weights([*mine[0], *mine[1]], False, ignore=True)
+    out["same weights"] = (_objects_sent(lambda: _weights(same, True)), _weights(same, False))
+
+
+def _objects_sent(call):
+    """``(call()'s result, how many all_gather_object it made)``."""
+    sent, real = [], torch.distributed.all_gather_object
+    torch.distributed.all_gather_object = lambda *a, **k: sent.append(1) or real(*a, **k)
+    try:
+        return call(), len(sent)
+    finally:
+        torch.distributed.all_gather_object = real
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +139,11 @@ def test_a_rank_whose_batches_are_all_left_out_takes_the_others_weights(ranks):
 def test_a_fisher_error_raises_on_every_rank(ranks, key, message):
     errs = _agreed(ranks, key)
     assert all(isinstance(e, str) and e.startswith(message) for e in errs), errs
+
+
+def test_ranks_given_the_same_batches_send_no_weights(ranks):
+    # review (s45): every rank's g^2 sums (tens of MB on a large model) were all-gathered
+    # and then dropped where the ranks' batches were the same (a CRC of them now goes first)
+    for (got, sent), want in rank_results(ranks, "same weights"):
+        assert sent == 0
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

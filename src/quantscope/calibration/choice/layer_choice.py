@@ -82,8 +82,8 @@ def fisher_weights(model: nn.Module, batches, layers, loss=None,
     with failed:
         part = _fisher_sums(model, batches, layers, loss, ignore_non_finite)
     if distributed:  # (CPU copies: another rank's CUDA tensors would unpickle on its device)
-        every = gather_parts(None if part is None else _on_cpu(part), batches,
-                             "auto's fisher weights", group, failed.error)
+        every = gather_parts(lambda: _on_cpu(part), batches, "auto's fisher weights", group,
+                             failed.error)
         part = part if every is None else _joined(model, every)
     sums, counts, (seen, real, used) = part
     if seen and not real:

@@ -350,20 +350,26 @@ def share_pieces(div, group=None, error: Exception | None = None) -> None:
 
 
 def gather_parts(part, batches, what: str, group=None, error: Exception | None = None):
-    """Every rank's ``part``, a small picklable result of its own ``batches`` (None where
-    computing it raised ``error`` here: raised on every rank, the others naming this one,
-    ``what`` failing), in one all_gather_object: by rank where the ranks were given
-    different batches, None where every rank was given the same (each keeps its own, one
-    process's result: ``auto``'s "fisher" weights, :func:`share_pieces`' rule)."""
+    """Every rank's result of its own ``batches``, by rank, where the ranks were given
+    different batches; None where every rank was given the same (each keeps its own, one
+    process's result: ``auto``'s "fisher" weights, :func:`share_pieces`' rule). ``part()``
+    makes this rank's (a picklable value), called only where they differ: a CRC of each
+    rank's batches is exchanged first (one tiny all_gather), the parts only then (one
+    all_gather_object). ``error``: what computing it raised here (raised on every rank, the
+    others naming this one, ``what`` failing)."""
     if not is_distributed(group):
         if error is not None:
             raise error
         return None
+    mine = [0 if error is not None else _crc(batches), int(error is not None)]
+    got = all_gather(torch.tensor(mine, dtype=torch.int64, device=group_device(group)),
+                     group).cpu()
+    raise_on_all(error, bool(got[:, 1].any()), what, group, same_type=True)
+    if bool((got[:, 0] == got[0, 0]).all()):
+        return None
     every: list = [None] * world_size(group)
-    dist.all_gather_object(every, None if error is not None else (_crc(batches), part),
-                           group=group)
-    raise_on_all(error, any(e is None for e in every), what, group, same_type=True)
-    return None if len({crc for crc, _ in every}) == 1 else [p for _, p in every]
+    dist.all_gather_object(every, part(), group=group)
+    return every
 
 
 def _crc(batches) -> int:
