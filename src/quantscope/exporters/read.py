@@ -26,6 +26,7 @@ import torch
 
 from .._checks import check_path
 from .._versions import require
+from ..comm import main_global_rank
 from ..compat.llmcompressor_spec import filled_g_idx, llmcompressor_spec
 from ..layout import Block, Group
 from ..qparams import QParams
@@ -490,7 +491,7 @@ def read_compressed_tensors(path):
         source = None  # the float source runs otherwise: the checkpoint is the model
     info = {"model": source if isinstance(source, str) and os.path.isdir(source) else path,
             "checkpoint": path, "format": fmt_name(qconfig.format)}
-    # writer_rank 0: in a process group every rank reads the checkpoint, global rank 0 writes
+    # in a process group every rank reads the checkpoint: one writer, the default group's rank 0
     return Calibration(recipe, states, os.path.basename(os.path.normpath(path)), info=info,
-                       writer_rank=0)
+                       writer_rank=main_global_rank())
 

@@ -23,6 +23,7 @@ import torch
 
 from ..._checks import check_path, pattern_refusal
 from ..._jsonfile import read_json
+from ...comm import main_global_rank
 from ...exporters.atomic_swap import read_unchanged
 from ...layout import Group, Tensor
 from ...observers.registry import get_observer
@@ -145,9 +146,9 @@ def load(path, device="cpu") -> Calibration:
     # a role could read)
     smoothing = {k[len(SMOOTH):]: _smoothing_scale(t, k, lambda k, m: bad(tensor_path, k, m))
                  for k, t in tensors.items() if k.startswith(SMOOTH) and k not in used}
-    # writer_rank 0: in a process group every rank reads the folder, global rank 0 writes
+    # in a process group every rank reads the folder: one writer, the default group's rank 0
     return Calibration(recipe, states, meta.get("label", ""), info=meta.get("info", {}),
-                       smoothing=smoothing, writer_rank=0)
+                       smoothing=smoothing, writer_rank=main_global_rank())
 
 
 def _check_patterns(recipe: Recipe, meta_path, bad) -> None:
