@@ -68,7 +68,8 @@ def test_every_option_a_calibrated_role_takes_still_passes(name, observer):
     roles = {k: r for k, r in base.rules[0].roles().items() if r.needs_data}
     # the calibrated input keeps every option (weights: those their variant takes), so its
     # observer's options are the preset's; weight-only presets: the weight observer's, where
-    # it is the given one's variant (a histogram's weights run min-max and take none)
+    # it is the given one's variant (a histogram's weights run min-max and take only
+    # non_finite: test_histogram_weight_options_s46.py)
     ran = observer or "minmax"
     kind = "input" if "input" in roles else "weight"
     own = kind == "input" or roles[kind].observer in (ran, f"memoryless_{ran}")

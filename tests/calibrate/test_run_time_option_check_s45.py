@@ -1,8 +1,8 @@
 """An option a run-time role (``dynamic=True``) takes is an option the recipe uses: since
 session 44 ``observed`` gives it to that role's run-time observer, but ``check_taken`` counted
 only the calibrated roles, so ``preset("w8a8-dynamic", "percentile", non_finite="ignore")``
-(percentile's weights run ``memoryless_minmax`` with none of percentile's options) was refused
-with "it would be dropped". An option no role takes is still refused."""
+(percentile's weights then ran ``memoryless_minmax`` with none of percentile's options) was
+refused with "it would be dropped". An option no role takes is still refused."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def test_an_option_only_the_run_time_role_takes_is_kept(name):
     rule = preset(name, "percentile", non_finite="ignore").rules[0]
     assert rule.input.dynamic is True and rule.input.observer == "memoryless_minmax"
     assert dict(rule.input.options) == {"non_finite": "ignore"}
-    # percentile's weights run min-max, which gets none of percentile's options
-    assert rule.weight.observer == "memoryless_minmax" and dict(rule.weight.options) == {}
+    # percentile's weights run min-max, which takes non_finite too (since session 46:
+    # test_histogram_weight_options_s46.py)
+    assert rule.weight.observer == "memoryless_minmax" and dict(rule.weight.options) == {
+        "non_finite": "ignore"}
 
 
 def test_with_observer_keeps_it_too():

@@ -24,7 +24,8 @@ def weight_observer(name: str) -> str:
     ``memoryless_minmax``, ``mse`` -> ``memoryless_mse``). Histogram observers
     (percentile, entropy, mix, ...) are activation calibrators -- TensorRT and Horizon
     pair them with max calibration of weights -- so their weights use
-    ``memoryless_minmax``. ``auto`` stays ``auto``. A :class:`Role` written by hand runs
+    ``memoryless_minmax``, with the options it shares with ``name`` (``non_finite``: see
+    :func:`_accepted`). ``auto`` stays ``auto``. A :class:`Role` written by hand runs
     the observer it names.
     """
     from ..observers.registry import observer_class
@@ -44,17 +45,27 @@ def weight_observer(name: str) -> str:
     return name
 
 
-def _accepted(name: str, observer: str, options: dict) -> dict:
-    """Of the ``options`` given for ``observer``, those ``name`` (it, or its memoryless variant)
-    takes (an MSE search's ``maxshrink``, not a moving average's ``averaging_constant``)."""
+def _keywords(name: str) -> dict[str, type]:
+    """The keyword-only arguments (the options) of observer ``name``'s class, each with the
+    most basic class that declares it (a subclass may declare it again, passing it on)."""
     from ..observers.registry import observer_class
 
-    if name not in (observer, f"memoryless_{observer}"):  # another: the options are not its own
-        return {}
-    named = {p.name for c in observer_class(name).__mro__ if "__init__" in c.__dict__
-             for p in inspect.signature(c.__init__).parameters.values()
-             if p.kind == p.KEYWORD_ONLY}
-    return {k: v for k, v in options.items() if k in named}
+    return {p.name: c for c in observer_class(name).__mro__ if "__init__" in c.__dict__
+            for p in inspect.signature(c.__init__).parameters.values()
+            if p.kind == p.KEYWORD_ONLY}
+
+
+def _accepted(name: str, observer: str, options: dict) -> dict:
+    """Of the ``options`` given for ``observer``, those ``name`` takes: it, or its memoryless
+    variant, takes its own (an MSE search's ``maxshrink``, not a moving average's
+    ``averaging_constant``); another standing in for it (a histogram observer's weights:
+    ``memoryless_minmax``) those the two declare in one class (``non_finite``), not a name
+    each declares with a meaning of its own."""
+    mine = _keywords(name)
+    if name not in (observer, f"memoryless_{observer}"):
+        theirs = _keywords(observer)
+        mine = {k: c for k, c in mine.items() if theirs.get(k) is c}
+    return {k: v for k, v in options.items() if k in mine}
 
 
 def unknown_options(observer: str, options: dict) -> list[str]:
