@@ -88,12 +88,12 @@ def test_only_a_tensor_no_raising_observer_reads_gets_a_flag_of_its_own():
     dynamic role's gets one, unless an observer of the same tensor raises on NaN / inf."""
     static = _watched({"s": preset("w8a8")})
     assert [(r[0], r[2]) for r in static] == [("0", "minmax"), ("2", "minmax")]
-    assert all(not isinstance(r[3], observe.Slot) for r in static)
+    assert all(not isinstance(r.holder, observe.Slot) and not r.runtime for r in static)
     dynamic = _watched({"d": preset("w8a8-dynamic")})
     assert [(r[0], r[2]) for r in dynamic] == [("0", "memoryless_minmax"),
                                                ("2", "memoryless_minmax")]
-    assert all(isinstance(r[3], observe.Slot) and r[3].seen_non_finite is not None
-               for r in dynamic)
+    assert all(isinstance(r.holder, observe.Slot) and r.holder.seen_non_finite is not None
+               and r.runtime for r in dynamic)
     both = _watched({"s": preset("w8a8"), "d": preset("w8a8-dynamic")})
     assert [(r[0], r[2]) for r in both] == [("0", "minmax"), ("2", "minmax")]
     ignored = _watched({"d": preset("w8a8-dynamic", non_finite="ignore")})

@@ -11,12 +11,12 @@ from torch import nn
 
 from quantscope.calibration import calibrate
 from quantscope.calibration.run import observe
-from quantscope.calibration.run.non_finite import NONE, FirstBad, exchanged, first_of
+from quantscope.calibration.run.non_finite import NONE, FirstBad, Watched, exchanged, first_of
 
 
 def _watched(n):
-    return [(f"layer{i}", "input", "minmax",
-             SimpleNamespace(seen_non_finite=torch.zeros((), dtype=torch.bool)))
+    return [Watched(f"layer{i}", "input", "minmax",
+                    SimpleNamespace(seen_non_finite=torch.zeros((), dtype=torch.bool)))
             for i in range(n)]
 
 

@@ -13,6 +13,7 @@ its tensor does, the calibration's hook keeps a flag of its own, set by :func:`f
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -26,16 +27,27 @@ from ...stats.minmax import (
 )
 from .batches import nan_parameter
 
-__all__ = ["NONE", "FirstBad", "exchanged", "first_of", "flag_tensor", "watched"]
+__all__ = ["NONE", "FirstBad", "Watched", "exchanged", "first_of", "flag_tensor", "watched"]
 
 #: what :func:`exchanged` sends for no bad batch: above every row and batch number
 NONE = 2**63 - 1
 
 
+class Watched(NamedTuple):
+    """A row :class:`FirstBad` names: the holder of a ``seen_non_finite`` flag, an observer
+    (named ``observer``) or, with ``runtime``, a run-time role's slot (no observer: its error
+    names the option that reads NaN / inf as zero instead)."""
+
+    layer: str
+    role: str
+    observer: str
+    holder: object
+    runtime: bool = False
+
+
 class FirstBad:
-    """The flags of ``watched`` (``(layer, role, name, holder)`` rows, in the order the
-    errors name them; the holder of a ``seen_non_finite`` flag: an observer, or a run-time
-    role's slot, :func:`watched`), stacked at the end of each batch (:meth:`end_batch`)."""
+    """The flags of ``watched`` (:class:`Watched` rows, in the order the errors name them,
+    :func:`watched`), stacked at the end of each batch (:meth:`end_batch`)."""
 
     def __init__(self, watched: list[tuple]):
         self.watched = watched
@@ -47,7 +59,7 @@ class FirstBad:
             return
         by_device: dict = {}
         for i, row in enumerate(self.watched):
-            flag = row[3].seen_non_finite  # read each time: moving an observer makes a new one
+            flag = row.holder.seen_non_finite  # read each time: moving an observer makes a new one
             rows, flags = by_device.setdefault(flag.device, ([], []))
             rows.append(i)
             flags.append(flag)
@@ -81,13 +93,13 @@ class FirstBad:
         """The ``ValueError`` naming the layer, role and batch where watched observer ``i``
         first saw NaN or inf, and a parameter of ``model`` that holds them, the likelier
         cause."""
-        layer, role, name, holder = self.watched[i]
+        layer, role, name, _, runtime = self.watched[i]
         where = "a calibration batch" if batch is None else f"calibration batch {batch}"
         own = nan_parameter(model)
         cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
                  else "fix that batch (or what makes the model produce them)")
-        kind = "dynamic role, " if getattr(holder, "runtime_check", None) else ""  # a slot's
-        if kind:  # a run-time role: the option that reads them as zero instead
+        kind = "dynamic role, " if runtime else ""
+        if runtime:  # the option that reads them as zero instead
             cause += ", or give the role options={'non_finite': 'ignore'} to read them as zero"
         return ValueError(f"calibrate: layer {layer!r} {role}: {where} (counting from 0) "
                           f"brought NaN or inf values ({kind}observer {name!r}); {cause}")
@@ -120,13 +132,14 @@ def watched(slots) -> list:
     :func:`flag_tensor` moves it to the data)."""
     out = []
     for slot in slots:
-        rows = [(slot.layer, slot.role, key[0], obs) for key, obs in slot.observers.items()
+        rows = [Watched(slot.layer, slot.role, key[0], obs)
+                for key, obs in slot.observers.items()
                 if getattr(obs, "non_finite", None) == "error"
                 and getattr(obs, "seen_non_finite", None) is not None]
         slot.seen_non_finite = None
         if not rows and slot.runtime_check is not None:
             slot.seen_non_finite = torch.zeros((), dtype=torch.bool)
-            rows = [(slot.layer, slot.role, slot.runtime_check, slot)]
+            rows = [Watched(slot.layer, slot.role, slot.runtime_check, slot, runtime=True)]
         out += rows
     return out
 
