@@ -255,10 +255,7 @@ def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, opt
         raise opset_error(opset)
     states = calibration.states
     check_placement(model, "onnx export")
-    _check_roles(states)  # a KV cache is told as such, not as a block without a weight
-    _check_linear(model, states)  # what a layer is before what its specs ask
-    _check_untied(model, states)
-    check_exportable(states)
+    check_exportable(states, model)
     _check_size(_estimated_bytes(model, states), "estimated from its parameters and buffers")
 
 
@@ -389,11 +386,14 @@ def _check_linear(model, states) -> None:
             states[n]["weight"].check_weight("onnx export", n, weight)
 
 
-def check_exportable(states) -> None:
-    """Refuse what ONNX cannot express: roles other than weight and input, formats without
-    an ONNX storage type, activation scales computed at run time, layouts and input ranges
-    without a Q/DQ form (:func:`.onnx_graph.check_spec`)."""
-    _check_roles(states)
+def check_exportable(states, model=None) -> None:
+    """Refuse what ONNX cannot express: roles other than weight and input, layers other than
+    ``model``'s untied Linears (given one), formats without an ONNX storage type, run-time
+    activation scales, layouts and ranges without a Q/DQ form (:func:`.onnx_graph.check_spec`)."""
+    _check_roles(states)  # a KV cache is told as such, not as a block without a weight
+    if model is not None:  # what a layer is before what its specs ask
+        _check_linear(model, states)
+        _check_untied(model, states)
     for layer, roles in states.items():
         for role, state in roles.items():
             if role == "input" and state.dynamic is not False:
