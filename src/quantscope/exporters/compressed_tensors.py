@@ -484,6 +484,7 @@ def _attach_kv_scales(work: nn.Module, kv, lossy: _Lossy) -> None:
 
 
 def _ct_scale_dtype(observed: torch.dtype) -> torch.dtype:
-    """compressed-tensors' scale dtype for an observed dtype (``initialize_qparams``)."""
+    """compressed-tensors' scale dtype for an observed dtype (``initialize_qparams``; pinned to
+    theirs by tests/export/test_ct_scale_dtype_peers.py)."""
     floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     return observed if observed in floats else torch.float16
