@@ -191,10 +191,11 @@ def main_global_rank(group=None) -> int:
     return dist.get_global_rank(group, 0)
 
 
-def is_writer(global_rank: int | None = 0) -> bool:
+def is_writer(global_rank: int | None) -> bool:
     """Whether this process writes a calibration's files: global rank ``global_rank`` (its
-    :attr:`~quantscope.calibration.Calibration.writer_rank`; None: the calibration is this
-    process's own, made here), or no process group."""
+    :attr:`~quantscope.calibration.Calibration.writer_rank`, no default: a group's writer is
+    :func:`main_global_rank`, not a literal 0; None: the calibration is this process's own,
+    made here), or no process group."""
     return (global_rank is None or not (dist.is_available() and dist.is_initialized())
             or dist.get_rank() == global_rank)
 
