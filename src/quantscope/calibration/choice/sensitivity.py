@@ -366,10 +366,13 @@ def check_fallback(n, mode, sequential: bool = False) -> None:
 
 
 def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
-              mode: str) -> Calibration:
+              mode: str, ranker=None) -> Calibration:
     """:func:`keep_float` of ``n`` with the ranking of :func:`layer_sensitivity` on ``batch`` (what
-    ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after calibrating)."""
-    if batch is None:
+    ``calibrate(..., outliers=Outliers(keep_float=n, fallback=mode))`` does after calibrating).
+    ``ranker``: ``callable(rank) -> Sensitivity`` that gets the ranking from where ``rank()``
+    runs (across ranks, on the one rank whose batch every rank ranks on: ``batch`` may then
+    be None here); None runs ``rank()`` here."""
+    if batch is None and ranker is None:
         raise ValueError("calibrate: keep_float needs a batch to rank the activations on, "
                          "and batches is empty")
     if not any(role == "input" for _, role in _static_activations(calibration)):
@@ -382,16 +385,21 @@ def fall_back(model: nn.Module, batch, calibration: Calibration, n: int,
                       f"quantscope.keep_float(calibration, quantscope.sensitivity(..., "
                       f"roles=('output',)), n)", stacklevel=outside_quantscope())
         return keep_float(calibration, Sensitivity([]), 0, mode=mode)
-    # only the inputs are ranked: keep_float takes out activations, never weights
+    rank = lambda: _fallback_ranking(model, batch, calibration, n)
+    return keep_float(calibration, rank() if ranker is None else ranker(rank), n, mode=mode)
+
+
+def _fallback_ranking(model: nn.Module, batch, calibration: Calibration, n: int) -> Sensitivity:
+    """:func:`fall_back`'s ranking: the static inputs only (keep_float takes out
+    activations, never weights)."""
     try:
-        sens = _layer_ranking(model, [batch], calibration, ("input",))
+        return _layer_ranking(model, [batch], calibration, ("input",))
     except _NothingRanked:
         raise ValueError(f"calibrate: Outliers(keep_float={n}) ranks the static inputs of "
                          f"Linear layers (a 2-D weight) and of Conv1d / 2d / 3d (not "
                          f"transposed); the calibration quantizes none. Rank them yourself: "
                          f"quantscope.keep_float(calibration, quantscope.sensitivity(...), "
                          f"n)") from None
-    return keep_float(calibration, sens, n, mode=mode)
 
 
 def _macs(model: nn.Module, layer: str) -> int:

@@ -30,7 +30,7 @@ from ..choice import auto as _auto
 from ..choice import layer_choice
 from ..choice import smooth as _smooth
 from ..choice.candidates import has_auto, ignores_non_finite
-from ..choice.sensitivity import Sensitivity, check_fallback, fall_back, measure
+from ..choice.sensitivity import Sensitivity, check_fallback, measure
 from ..options import (
     AUTO_METRICS,
     Auto,
@@ -48,7 +48,7 @@ from ..results.result import Calibration
 from ..structure import kv_cache
 from ..structure import moe as _moe
 from ..structure.fingerprint import record_fingerprints
-from ..structure.fusion import one_fusion, peek
+from ..structure.fusion import one_fusion
 from ..structure.placement import check_placement, refuse_compiled
 from . import imatrix_roles
 from . import sequential as _sequential
@@ -68,6 +68,7 @@ from .observe import (
     share_group_inputs,
     unique_slots,
 )
+from .outliers import around
 from .tied_roles import check_groups, check_recipes, check_states
 from .unused_options import warn_unused_activation_options, warn_unused_moe
 
@@ -202,12 +203,13 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
 
     checked = (lambda b: check_states(model, run(b))) if top else run  # tied: one state
-    return _around(model, batches, checked, opts.outliers, opts.runtime)
+    return around(model, batches, checked, opts.outliers, opts.runtime)
 
 
 def _end_to_end(model, batches, recipes, opts: Options) -> dict[str, Calibration]:
     """``Auto(metric="model")`` (:func:`.auto.calibrate_end_to_end`; the outliers' steps go
-    around it: :func:`_around`); a time group with an auto recipe counts its scoring too."""
+    around it: :func:`.outliers.around`); a time group with an auto recipe counts its scoring
+    too."""
     out = _auto.calibrate_end_to_end(_calibrate_with, model, batches, recipes,
                                      opts.but(outliers=Outliers()))
     for name, labels in (opts.runtime.time_groups or {}).items():
@@ -215,34 +217,6 @@ def _end_to_end(model, batches, recipes, opts: Options) -> dict[str, Calibration
         for k in labels if scored else ():
             seconds = out[k].info["group_seconds"]
             seconds[name] = round(seconds[name] + scored[0], 3)
-    return out
-
-
-def _around(model, batches, run, outliers: Outliers, runtime: Runtime):
-    """``run(batches)``, the calibration itself, with what goes around it: SmoothQuant
-    before (ranges from the first batch), the float fallback after (ranked on it). A call
-    that raises leaves the weights unsmoothed: their values from before are kept (a CPU
-    copy of the smoothed ones) until it returns."""
-    smoothed, originals = None, {}
-    try:
-        if outliers.smooth is not None:
-            first, batches = peek(batches)
-            smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
-                                      distributed=runtime.distributed, group=runtime.group,
-                                      originals=originals)
-        if not outliers.keep_float:
-            out = run(batches)
-        else:
-            first, batches = peek(batches)
-            out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback)
-                   for k, c in run(batches).items()}
-    except BaseException:
-        _smooth.restore(model, originals)
-        raise
-    if smoothed is not None:
-        scales = smoothed.pop("scales")
-        for c in out.values():
-            c.smoothing, c.info["smooth"] = dict(scales), dict(smoothed)
     return out
 
 
