@@ -202,11 +202,12 @@ class Outliers:
     Attributes:
         smooth: SmoothQuant's alpha (llm-compressor's ``smoothing_strength``, 0.5-0.8 is
             usual): before calibrating, each decoder layer's activation outliers move into
-            the next weights (:mod:`.smooth`; one more forward). **Changes the model's
-            parameters in place**. None: no smoothing.
+            the next weights (:mod:`.smooth`; one more forward, on the first batch).
+            **Changes the model's parameters in place**. None: no smoothing.
         keep_float: this many activations, those whose quantization moves their own layer's
             output most (one more forward on the first batch), stay out of static
-            quantization; ``calibration.info["keep_float"]`` lists them.
+            quantization; ``calibration.info["keep_float"]`` lists them. Across ranks both
+            read the first batch of the lowest rank that holds one (:mod:`.run.outliers`).
         fallback: what those get: ``"dynamic"`` per-token qparams at run time in the same
             format, or ``"float"``.
     """

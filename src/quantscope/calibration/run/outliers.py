@@ -2,11 +2,12 @@
 its ranges from the first batch, and the float fallback after it, ranked on that batch.
 
 Across ranks (``Runtime(distributed=True)``) the ranks may pass their own batches, so each
-holds another first batch, or none. SmoothQuant reduces its ranges over every rank's first
-batch (:func:`~..choice.smooth.channel_ranges`). The fallback is ranked once: on the lowest
-rank that holds a batch, on its first one, and every rank keeps what that ranking says,
-what one process ranking on that batch keeps; ranked on each rank's own, the ranks would
-keep different tensors in float (the writing rank's calibration not the others').
+holds another first batch, or none. Both steps then read one batch: the first of the lowest
+rank that holds one, on that rank. SmoothQuant's ranges are measured there (the other ranks
+add the reduction's identities) and the fallback's ranking is made there, then shared: every
+rank smooths and keeps in float what one process given that batch first does. Each on its
+own first batch, the ranks would keep different tensors in float (the writing rank's
+calibration not the others') and smooth on the union of their first batches.
 """
 
 from __future__ import annotations
@@ -28,20 +29,23 @@ def around(model, batches, run, outliers: Outliers, runtime: Runtime) -> dict:
     before (ranges from the first batch), the float fallback after (ranked on it). A call
     that raises leaves the weights unsmoothed: their values from before are kept (a CPU
     copy of the smoothed ones) until it returns."""
+    if outliers.smooth is None and not outliers.keep_float:
+        return run(batches)
+    first, batches = peek(batches)
+    group = runtime.group
+    across = runtime.distributed and qd.is_distributed(group)
+    src = _lowest_holder(first is not None, group) if across else None
+    mine = first if not across or src == qd.rank(group) else None  # the batch read here
     smoothed, originals = None, {}
     try:
         if outliers.smooth is not None:
-            first, batches = peek(batches)
-            smoothed = _smooth.smooth(model, [] if first is None else [first], outliers.smooth,
-                                      distributed=runtime.distributed, group=runtime.group,
+            smoothed = _smooth.smooth(model, [] if mine is None else [mine], outliers.smooth,
+                                      distributed=runtime.distributed, group=group,
                                       originals=originals)
-        if not outliers.keep_float:
-            out = run(batches)
-        else:
-            first, batches = peek(batches)
-            out = run(batches)
-            ranker = _ranker(first is not None, runtime)
-            out = {k: fall_back(model, first, c, outliers.keep_float, outliers.fallback, ranker)
+        out = run(batches)
+        if outliers.keep_float:
+            ranker = _ranker(src, group) if across and src is not None else None
+            out = {k: fall_back(model, mine, c, outliers.keep_float, outliers.fallback, ranker)
                    for k, c in out.items()}
     except BaseException:
         _smooth.restore(model, originals)
@@ -53,19 +57,18 @@ def around(model, batches, run, outliers: Outliers, runtime: Runtime) -> dict:
     return out
 
 
-def _ranker(holds: bool, runtime: Runtime):
-    """:func:`~..choice.sensitivity.fall_back`'s ``ranker``: None in one process, and across
-    ranks where no rank holds a batch (each then raises one process's error); else the
-    ranking made on the lowest rank that ``holds`` one, shared with every rank."""
-    group = runtime.group
-    if not (runtime.distributed and qd.is_distributed(group)):
-        return None
+def _lowest_holder(holds: bool, group) -> int | None:
+    """The rank whose first batch the outliers' steps read: the lowest of ``group`` that
+    ``holds`` one; None where none does (every rank then smooths nothing and raises
+    keep_float's error, as one process given no batch)."""
     flags = qd.all_gather(torch.tensor([int(holds)], device=qd.group_device(group)), group)
     holders = flags.flatten().nonzero().flatten().tolist()
-    if not holders:
-        return None
-    src = holders[0]
+    return holders[0] if holders else None
 
+
+def _ranker(src: int, group):
+    """:func:`~..choice.sensitivity.fall_back`'s ``ranker``: the ranking made on rank
+    ``src``, shared with every rank."""
     def ranker(rank):
         sens = [None]
         # an error there (a forward of its batch) raises on every rank, not only on src
