@@ -19,6 +19,7 @@ from ..stats.minmax import (
     update_state,
 )
 from .base import Observer, is_dtensor, only_observes, tokens_of
+from .minmax_step import cpu_step
 from .registry import register
 
 __all__ = [
@@ -94,6 +95,8 @@ class MinMaxStateObserver(Observer):
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_step(self, x, MinMaxStateObserver):  # the common CPU call: one C pass, its decisions cached
+            return x
         units = self._one_op_units(x)
         if units is None:
             return super().forward(x)

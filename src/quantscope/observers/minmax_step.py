@@ -1,0 +1,156 @@
+"""An accumulating min-max observer's common CPU call in one C pass, its decisions cached.
+
+:meth:`~quantscope.observers.base.Observer.forward` decides per call what it does with ``x``
+(checks, layout, padding, which reduction, the kernel's own tests): ~30 us of Python a call
+where the pass over a small batch takes 1-5 us, and torch.ao's whole ``MinMaxObserver`` 14.
+Those decisions follow from the input's ``(shape, stride, dtype)`` and the observer's spec,
+so :func:`cpu_step` makes them once per such key (:func:`_plan`, which also runs
+``check_input``: its errors are the general path's) and each later call with that key only
+tests what can change between calls (the context, the state's tensors, the settings), then
+runs the same fused kernel call the general path makes: the same state, bit for bit, the
+same versions bumped, the same flag and count. Anything else, or a test failing, returns
+False: the general path runs (and raises whatever it raises).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+from torch._C._functorch import is_functorch_wrapped_tensor as _wrapped
+from torch.autograd.graph import increment_version
+
+from .. import kernels
+from ..layout import Channel, Token
+from ..layout import Tensor as TensorLayout
+from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
+from ..stats.minmax import KERNEL_DTYPES, UPDATES
+
+__all__ = ["cpu_step"]
+
+#: the input types whose memory is their values (kernels.real's; subclasses: general path)
+_REAL_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: the steps of forward the cached call stands for: a class overriding any of them keeps the
+#: general path (its override must run)
+_STEPS = ("check_input", "leave_inference_mode", "_check_unit_count", "_unit_minmax",
+          "_minmax_out", "_record_non_finite", "_observe", "_update", "count_batch",
+          "set_shape", "_one_op_units")
+_classes: dict[type, bool] = {}
+#: plans kept per observer (keys seen); past it the cache starts over
+MAX_PLANS = 16
+
+
+def _takes_class(cls: type, base: type) -> bool:
+    """Whether ``cls`` runs the min-max ``base``'s steps, fusing an accumulating update."""
+    return (issubclass(cls, base) and cls.state_update in UPDATES and cls.accumulates
+            and not cls.needs_units and all(getattr(cls, n) is getattr(base, n) for n in _STEPS))
+
+
+def _row_view(layout, shape) -> bool:
+    """Whether the units of a contiguous tensor of ``shape`` are rows of its memory that the
+    general forward reads with the fused kernel (not ``layout_minmax``'s other reductions)."""
+    if isinstance(layout, (TensorLayout, Token)):
+        return True
+    if isinstance(layout, Channel):  # the channel axis leads: no dim before it holds more
+        return len(shape) < 2 or math.prod(shape[:layout.axis % len(shape)]) == 1
+    return False
+
+
+def _plan(obs, x: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(units, elements, dtype code)`` the fused kernel reads ``x``'s memory as, where the
+    general forward would make that one call; None where it does something else. Raises what
+    ``check_input`` raises (the general path's first check)."""
+    if not obs.check_input(x) or x.dtype not in KERNEL_DTYPES or not x.is_contiguous():
+        return None  # empty, float64 (its range check reads values), strided: general path
+    layout = obs.spec.layout
+    if layout.pads_at(x.shape) or not _row_view(layout, x.shape):
+        return None
+    units = layout.to_units(x)
+    if units.dim() != 2 or not units.is_contiguous() or units.data_ptr() != x.data_ptr():
+        return None
+    U, E = units.shape
+    numel = U * E
+    if U == 1 and _stats.THREAD_MIN_NUMEL <= numel < 2 * _stats.THREAD_MIN_NUMEL:
+        return None  # the kernel or torch by the thread count of the call: decided per call
+    # the general path's choice for these units (forward detaches them first)
+    if not _stats._kernel_reads(units.detach(), True):
+        return None
+    return U, E, KERNEL_DTYPES[x.dtype]
+
+
+def _lookup(obs, x: torch.Tensor):
+    """The plan for ``x``'s key (made on first sight; the cache follows the spec object)."""
+    spec = obs.spec
+    cache = obs.__dict__.get("_cpu_plans")
+    if cache is None or cache[0] is not spec:
+        cache = obs.__dict__["_cpu_plans"] = (spec, {})
+    plans = cache[1]
+    key = (x.shape, x.stride(), x.dtype)
+    if key in plans:
+        return plans[key]
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plan = plans[key] = _plan(obs, x)
+    return plan
+
+
+def _float32_state(t: torch.Tensor, n: int) -> bool:
+    """A state tensor the kernel updates in place: a real contiguous float32 CPU ``[n]``."""
+    return (type(t) in _REAL_TYPES and t.shape == (n,) and t.dtype == torch.float32
+            and t.is_cpu and t.is_contiguous() and not t.is_neg() and not _wrapped(t))
+
+
+def _scratch(obs, n: int):
+    """``(address, floats)``: this observer's ``2n + 2`` floats (lo, hi, the two ends)."""
+    s = obs.__dict__.get("_cpu_scratch")
+    if s is None or s[0] != n:
+        buf = (ctypes.c_float * (2 * n + 2))()
+        s = obs.__dict__["_cpu_scratch"] = (n, buf, ctypes.addressof(buf))
+    return s[2], s[1]
+
+
+def cpu_step(obs, x, base: type) -> bool:
+    """``obs.forward(x)``'s whole step where it is one fused C pass over ``x`` on the CPU
+    (``obs``: an accumulating min-max observer, an instance of ``base``, the class whose
+    steps it stands for); False, nothing done, elsewhere."""
+    cls = type(obs)
+    takes = _classes.get(cls)
+    if takes is None:
+        takes = _classes[cls] = _takes_class(cls, base)
+    kind = UPDATES.get(obs.state_update)  # (the instance's settings: they can change)
+    if not takes or type(x) not in _REAL_TYPES or not x.is_cpu or x.layout != torch.strided \
+            or obs.non_finite != "error" or obs.sync_every_step or obs._padded_call \
+            or kind is None or not obs.accumulates:
+        return False
+    lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
+    if lib is None or x.is_neg() or _wrapped(x):
+        return False
+    plan = _lookup(obs, x)
+    if plan is None:
+        return False
+    U, E, code = plan
+    last = obs._last_shape
+    new_shape = last != x.shape
+    if new_shape and last is not None and obs.spec.layout.num_units(last) != U:
+        return False  # the general path says what is wrong
+    obs.leave_inference_mode()
+    bufs = obs._buffers
+    slo, shi, tokens = bufs["min_vals"], bufs["max_vals"], bufs["observed_tokens"]
+    if not (_float32_state(slo, U) and _float32_state(shi, U)):
+        return False  # a first call sizes the state
+    addr, floats = _scratch(obs, U)
+    # (the running min / max reads no constant: no nn.Module.__getattr__ miss for it)
+    c = 0.0 if kind == UPDATES["min"] else float(getattr(obs, "averaging_constant", 0.0))
+    threads = _stats._threads(U * E, U if U > 1 else E)
+    lib.qs_unit_minmax(x.data_ptr(), U, E, addr, addr + 4 * U, addr + 8 * U, threads, kind, c,
+                       slo.data_ptr(), shi.data_ptr(), int(kernels.streaming()), code)
+    increment_version((slo, shi))  # written by the C, as the general path bumps them
+    if not (math.isfinite(floats[2 * U]) and math.isfinite(floats[2 * U + 1])):
+        bufs["seen_non_finite"].fill_(True)
+    n = x.numel() // x.shape[-1] if x.dim() else 1  # (base.tokens_of)
+    if not kernels.add(tokens, n):
+        tokens.add_(n)
+    if new_shape:
+        obs.set_shape(x.shape)
+    return True

@@ -1,0 +1,136 @@
+"""The cached CPU step of the accumulating min-max observers (observers/minmax_step.py):
+its decisions are kept per ``(shape, stride, dtype)`` of the input and per spec object, so a
+call whose input differs in any of them, or whose observer changed (device, settings, spec),
+must give the general path's state and raise its errors. Each check runs one observer
+through a sequence of inputs beside a twin that always takes the general path; a cache keyed
+on less (no stride, no dtype, the number of elements for the shape, not following the spec)
+reads the memory wrongly or skips a check, and fails here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantscope import Channel, QuantSpec, Tensor, Token
+from quantscope.observers import MovingAverageMinMaxObserver, StaticMinMaxObserver
+from quantscope.stats import minmax as stats
+
+pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
+
+
+class GeneralStatic(StaticMinMaxObserver):
+    def _observe(self, units, lo, hi):  # an override of a step: never the cached call
+        super()._observe(units, lo, hi)
+
+
+class GeneralEMA(MovingAverageMinMaxObserver):
+    def _observe(self, units, lo, hi):
+        super()._observe(units, lo, hi)
+
+
+def pair(layout, ema):
+    spec = QuantSpec("int8", layout)
+    if ema:
+        return MovingAverageMinMaxObserver(spec, averaging_constant=0.3), GeneralEMA(
+            spec, averaging_constant=0.3)
+    return StaticMinMaxObserver(spec), GeneralStatic(spec)
+
+
+def same_state(a, b):
+    for name, buf in a._buffers.items():
+        other = b._buffers[name]
+        assert buf.shape == other.shape and buf.dtype == other.dtype, name
+        assert torch.equal(buf, other) or bool(((buf == other) | buf.isnan() & other.isnan())
+                                                .all()), name
+    assert a.shape == b.shape
+
+
+def g(seed, *shape, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def feed(obs, twin, xs):
+    for x in xs:
+        obs(x)
+        twin(x)
+        same_state(obs, twin)
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_stride_and_dtype_changes_under_one_shape(ema):
+    """(8, 32) contiguous, then a transposed (8, 32) view, bf16 and fp16 of it: the same
+    shape, read as other memory; a key without stride or dtype reads them as the first."""
+    for layout in (Tensor(), Channel(0), Token()):
+        obs, twin = pair(layout, ema)
+        xs = [g(0, 8, 32), g(1, 32, 8, scale=5).t(), g(2, 8, 32, scale=3).bfloat16(),
+              g(3, 8, 32, scale=7).half(), g(4, 8, 32), g(5, 32, 8, scale=9).t().contiguous()]
+        feed(obs, twin, xs * 2)
+        assert len(obs.__dict__["_cpu_plans"][1]) >= 4  # the cached call ran
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_shape_changes_with_one_unit_count(ema):
+    """Per tensor every shape has one unit; per channel (8, E) keeps 8: the elements per
+    unit change (a key on the unit count alone reads the wrong length)."""
+    obs, twin = pair(Tensor(), ema)
+    feed(obs, twin, [g(0, 8, 32), g(1, 8, 16, scale=4), g(2, 4, 64, scale=9), g(3, 8, 32)] * 2)
+    obs, twin = pair(Channel(0), ema)
+    feed(obs, twin, [g(0, 8, 32), g(1, 8, 16, scale=4), g(2, 8, 4, 4, scale=9), g(3, 8, 32)])
+
+
+def test_errors_after_the_plan_is_cached():
+    obs, twin = pair(Channel(0), False)
+    feed(obs, twin, [g(0, 8, 32)] * 2)
+    for o in (obs, twin):
+        with pytest.raises(TypeError, match="floating-point"):
+            o(torch.zeros(8, 32, dtype=torch.int32))
+        with pytest.raises(ValueError, match="unit count must not change"):
+            o(g(1, 16, 32))
+        with pytest.raises(TypeError, match="dense"):
+            o(g(2, 8, 32).to_sparse())
+    same_state(obs, twin)
+    # a float64 batch past float32's range: its range check reads values (general path)
+    for o in (obs, twin):
+        with pytest.raises(ValueError):
+            o(torch.full((8, 32), 1e300, dtype=torch.float64))
+    feed(obs, twin, [g(3, 8, 32, scale=2).double()])
+
+
+def test_spec_change_follows_the_new_layout():
+    """The plans follow the spec object: a spec whose layout refuses the shape raises."""
+    obs, twin = pair(Channel(0), False)
+    feed(obs, twin, [g(0, 8, 32)] * 2)
+    for o in (obs, twin):
+        o.spec = QuantSpec("int8", Channel(2))
+        with pytest.raises(ValueError, match="Channel"):
+            o(g(1, 8, 32))
+
+
+def test_state_moved_or_settings_changed():
+    obs, twin = pair(Tensor(), False)
+    feed(obs, twin, [g(0, 8, 32)] * 2)
+    for o in (obs, twin):  # the state on another device than the input
+        o.to("meta")
+        with pytest.raises(ValueError, match="observer's state on meta"):
+            o(g(1, 8, 32))
+    obs, twin = pair(Tensor(), False)
+    feed(obs, twin, [g(0, 8, 32)] * 2)
+    bad = g(1, 8, 32)
+    bad[2, 3] = float("nan")
+    for o in (obs, twin):
+        o.non_finite = "ignore"  # NaN read as zero and counted, not recorded
+    feed(obs, twin, [bad])
+    assert not bool(obs.seen_non_finite) and int(obs.non_finite_count) == 1
+    for o in (obs, twin):
+        o.non_finite = "error"
+    feed(obs, twin, [bad, g(2, 8, 32)])
+    assert bool(obs.seen_non_finite)
+
+
+def test_inference_mode_state_and_grad_input():
+    obs, twin = pair(Channel(0), True)
+    with torch.inference_mode():
+        feed(obs, twin, [g(0, 8, 32)] * 2)
+    x = g(1, 8, 32).requires_grad_()
+    feed(obs, twin, [x, g(2, 8, 32)])
+    assert not obs.min_vals.is_inference()
