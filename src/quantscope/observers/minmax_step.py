@@ -26,6 +26,7 @@ from ..layout import Channel, Token
 from ..layout import Tensor as TensorLayout
 from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
+from .base import tokens_of
 
 __all__ = ["cpu_step"]
 
@@ -148,7 +149,7 @@ def cpu_step(obs, x, base: type) -> bool:
     increment_version((slo, shi))  # written by the C, as the general path bumps them
     if not (math.isfinite(floats[2 * U]) and math.isfinite(floats[2 * U + 1])):
         bufs["seen_non_finite"].fill_(True)
-    n = x.numel() // x.shape[-1] if x.dim() else 1  # (base.tokens_of)
+    n = tokens_of(x)
     if not kernels.add(tokens, n):
         tokens.add_(n)
     if new_shape:
