@@ -60,13 +60,14 @@ from .score_set import (
     score_batches,
     score_pieces,
     score_plan,
+    scoring_prefix,
     tokens_of,
     with_tokens,
 )
 
 __all__ = ["OutputDivergence", "Tally", "calibrate_end_to_end", "check_options", "choose",
            "choose_roles", "no_batches_error", "score_batches",
-           "score_pieces"]  # (no_batches_error and those two: .score_set's)
+           "score_pieces", "scoring_prefix"]  # (no_batches_error and the score_*: .score_set's)
 
 #: ``auto_metric="model"`` scores each configuration piece by piece (the first piece
 #: :data:`.score_set.FIRST_PIECE` of the scoring documents), dropping after each piece the
@@ -326,13 +327,15 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
     from ..run.observe import candidates_for as _candidates  # the one list of auto's candidates
 
     candidates, score_tokens, loss = opts.auto.candidates, opts.auto.score_tokens, opts.auto.loss
-    batches = list(batches)  # (across ranks, empty on some: _scoring)
     autos = [label for label, r in recipes.items() if has_auto(r)]
     expanded, names, refused = expand(model, recipes, autos, list(dict.fromkeys(
         _candidates("input", candidates))))
     source = batch_source(model)  # a sequential block runs on these batches' numbers
-    plan = score_plan(batches if source is None else source, score_tokens) if autos else []
-    caught = FloatOutputs(model, batches, plan) if autos and loss is None else None
+    # only the scoring prefix is held (a block's numbers: all, indexed by its source's plan);
+    # across ranks, empty on some: _scoring
+    head, batches = scoring_prefix(batches if source is None else list(batches), score_tokens)
+    plan = score_plan(head if source is None else source, score_tokens) if autos else []
+    caught = FloatOutputs(model, head, plan) if autos and loss is None else None
     weighted = any(len({weight_observer(n) for n in names[label]}) > 1 for label in autos)
     importance = _importance(model, recipes, autos) if weighted else None
     try:
@@ -347,8 +350,8 @@ def calibrate_end_to_end(calibrate_with, model, batches, recipes: dict[str, Reci
         t0 = time.perf_counter()
         # a sequential block's pieces are its batch numbers and rows; the user's batches'
         # rows (``real``) say which of their positions are real tokens
-        real = [piece_of(batches[i] if source is None else source[i], a, b) for i, a, b in plan]
-        pieces = real if source is None else [(batches[i], a, b) for i, a, b in plan]
+        real = [piece_of(head[i] if source is None else source[i], a, b) for i, a, b in plan]
+        pieces = real if source is None else [(head[i], a, b) for i, a, b in plan]
         # non_finite="ignore" (the observers read NaN / inf as 0): not scored on those batches
         ignore = all(ignores_non_finite(recipes[label]) for label in autos)
         score = _scoring(model, (plan, pieces, real), loss, refs, ignore, importance,

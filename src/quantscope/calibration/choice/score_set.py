@@ -13,11 +13,11 @@ import itertools
 
 import torch
 
-from ..run.batches import tensors_in
+from ..run.batches import sized_like, tensors_in
 
 __all__ = ["FIRST_PIECE", "mask_of", "no_batches_error", "no_token_error", "piece_names",
-           "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "take_rows",
-           "tokens_of", "with_tokens"]
+           "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "scoring_prefix",
+           "take_rows", "tokens_of", "with_tokens"]
 
 #: the first scoring piece: this share of the first batch's rows (an early, cheap round
 #: that drops the candidates far behind, :func:`.auto.choose`)
@@ -110,6 +110,26 @@ def score_batches(batches, tokens: int):
         if n >= tokens:
             break
     return out
+
+
+def scoring_prefix(batches, tokens: int):
+    """``(prefix, batches)``: the first batches :func:`score_batches` reads (those holding
+    ``tokens`` real tokens), and every batch once in order, the prefix first. A list or a
+    tuple is its own prefix and stays itself; any other iterable (a generator, a DataLoader)
+    is read only as far as the prefix, so its later batches are freed as the pass reads
+    them rather than all held until the call returns; the stream keeps the source's length
+    (:func:`~..run.batches.sized_like`)."""
+    if isinstance(batches, (list, tuple)):
+        return batches, batches
+    it, prefix = iter(batches), []
+
+    def taken():  # what score_batches reads, kept: its own rule says where the prefix ends
+        for b in it:
+            prefix.append(b)
+            yield b
+
+    score_batches(taken(), tokens)
+    return prefix, sized_like(itertools.chain(prefix, it), batches)
 
 
 def score_plan(batches, tokens: int, first: float = FIRST_PIECE):

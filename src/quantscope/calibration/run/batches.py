@@ -14,7 +14,7 @@ from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
-           "module_input", "nan_parameter", "tensors_in"]
+           "module_input", "nan_parameter", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -70,6 +70,27 @@ def batch_count(batches) -> int | None:
         return len(batches)
     except TypeError:
         return None
+
+
+class _Sized:
+    """An iterator with the length of the iterable it was read from."""
+
+    def __init__(self, it, n: int):
+        self.it, self.n = it, n
+
+    def __iter__(self):
+        return self.it
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def sized_like(it, source):
+    """``it`` (an iterator over ``source``'s batches) with ``source``'s length where it has one
+    (a DataLoader's): the activation sample is spread over that many batches
+    (:func:`batch_count`), as over ``source`` itself."""
+    n = batch_count(source)
+    return it if n is None else _Sized(it, n)
 
 
 def tensors_in(value):

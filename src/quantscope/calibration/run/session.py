@@ -52,7 +52,7 @@ from ..structure.fusion import one_fusion
 from ..structure.placement import check_placement, refuse_compiled
 from . import imatrix_roles
 from . import sequential as _sequential
-from .batches import check_batches
+from .batches import batch_count, check_batches
 from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
@@ -156,9 +156,10 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         check_batches(batches)
         scored = opts.auto.metric == "model" and any(map(has_auto, recipes.values()))
         if scored:
-            batches = list(batches)  # read twice: calibrated on, then scored on
             across = opts.runtime.distributed and qd.is_distributed(opts.runtime.group)
-            if not batches and not across:  # (across ranks: below, once every rank is here)
+            # read twice, the scoring prefix only: calibrated on, then scored on
+            head, batches = _held(model, batches, opts, across)
+            if not head and not across:  # (across ranks: below, once every rank is here)
                 raise _auto.no_batches_error()
         kv_cache.check_asked(model, recipes.values())
         check_shapes(model, recipes.values())  # before any forward (smooth, fisher, sequential)
@@ -168,7 +169,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
     if top and opts.runtime.distributed:  # every rank here: its checks passed on all
         check_same_options(opts, opts.runtime.group)
         # one collective on every rank, whatever its recipes (a rank not scoring adds 1)
-        given = qd.all_sum(len(batches) if scored else 1, opts.runtime.group)
+        given = qd.all_sum(len(head) if scored else 1, opts.runtime.group)
         if scored and not given:  # no batch on any rank: one process's error, before a pass
             raise _auto.no_batches_error()
 
@@ -191,9 +192,9 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         if opts.auto.metric == "model" and any(has_auto(r) for r in recipes.values()):
             return _end_to_end(model, batches, recipes, opts)
         fisher = None
-        if opts.auto.metric == "fisher":
-            batches = list(batches)
-            fisher = _fisher_weights(model, batches, recipes, opts.auto, opts.runtime)
+        if opts.auto.metric == "fisher":  # its g^2 from the scoring prefix, before the pass
+            head, batches = _held(model, batches, opts, opts.runtime.distributed, fisher=True)
+            fisher = _fisher_weights(model, head, recipes, opts.auto, opts.runtime)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
@@ -204,6 +205,22 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
 
     checked = (lambda b: check_states(model, run(b))) if top else run  # tied: one state
     return around(model, batches, checked, opts.outliers, opts.runtime)
+
+
+def _held(model, batches, opts: Options, across: bool, fisher: bool = False):
+    """``(the scoring prefix, every batch)`` (:func:`.score_set.scoring_prefix`): a stream
+    keeps only the prefix while the pass reads the rest once. Listed as before where the
+    batches are needed whole or by number: across ranks (each rank's share, ``comm.shard``,
+    is a list only for a list, and the activation sample is spread over its length), in
+    sequential mode (each block replays them all; a block's own pass gets batch numbers),
+    and for ``fisher`` without a length (a generator: its per-layer choice reads the
+    sample, spread over the batches' number)."""
+    listed = (across or opts.sequential is not None
+              or _sequential.batch_source(model) is not None
+              or (fisher and batch_count(batches) is None))
+    if listed:
+        batches = list(batches)
+    return _auto.scoring_prefix(batches, opts.auto.score_tokens)
 
 
 def _end_to_end(model, batches, recipes, opts: Options) -> dict[str, Calibration]:

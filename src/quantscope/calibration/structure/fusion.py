@@ -41,12 +41,12 @@ from ...layout import Block, Channel, Group, Tensor, Tile
 from ..recipe_dict import matches
 from ..results.result import RoleState
 from ..run.batches import (
-    batch_count,
     eval_mode,
     forward_batch,
     input_name,
     map_tensors,
     module_input,
+    sized_like,
 )
 from .conv1d import is_conv1d
 from .moe import expert_items, is_expert_list
@@ -75,21 +75,7 @@ def peek(batches):
         first = next(it)
     except StopIteration:
         return None, []
-    rest, n = itertools.chain([first], it), batch_count(batches)
-    return first, (rest if n is None else _Sized(rest, n))
-
-
-class _Sized:
-    """An iterator with the length of the iterable it was read from."""
-
-    def __init__(self, it, n: int):
-        self.it, self.n = it, n
-
-    def __iter__(self):
-        return self.it
-
-    def __len__(self) -> int:
-        return self.n
+    return first, sized_like(itertools.chain([first], it), batches)
 
 
 def _where(x: torch.Tensor) -> tuple:
