@@ -1,12 +1,14 @@
 """Per-unit min / max read straight from ``x`` under a layout, where its units are no row
 view of ``x`` (a channel axis after the first, groups or blocks along an axis before the last,
-tiles, a transposed matrix), without the float32 copy ``layout.to_units`` would make; and the
+tiles), or ``x`` is a dense permuted view (a transposed matrix, channels_last), without the
+copy ``layout.to_units`` would make; and the
 padded units' real min / max. The reductions are :mod:`.minmax`'s (its C kernel on the CPU, the
 op ``quantscope::unit_minmax`` off it)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +26,7 @@ from .minmax import (
     unit_minmax,
 )
 
-__all__ = ["column_minmax", "layout_minmax", "unpad_minmax_"]
+__all__ = ["column_minmax", "layout_minmax", "memory_order", "unpad_minmax_"]
 
 
 def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,18 +62,20 @@ def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] 
 
     On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view
     of ``x`` (a channel axis other than the first, groups or blocks along an axis before the
-    last, tiles, a transposed matrix's channels): the C kernel's reductions over reshapes of
-    ``x`` itself. Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
+    last, tiles), the C kernel's reductions over reshapes of ``x`` itself; for a dense ``x``
+    that is not contiguous (``w.t()``, channels_last), every layout but activation-order
+    groups, padded units and tokens, the same over ``x``'s memory in its own order
+    (:func:`memory_order`). Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
     ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
     dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree). None: no such path here, build the units instead.
     """
     if x.device.type != "cpu":
         return _op_layout_minmax(x, layout)
-    if isinstance(layout, TensorLayout):  # one unit: a row view already
-        return None
-    if not _use_kernel(x) or _kernel() is None:
-        return _transposed_minmax(x, layout)
+    if not x.is_contiguous():  # a permuted view (w.t(), channels_last): the memory it views
+        return _permuted_minmax(x, layout)
+    if isinstance(layout, TensorLayout) or not _use_kernel(x) or _kernel() is None:
+        return None  # one unit: a row view already; or torch reads the units
     shape = x.shape
     if isinstance(layout, Channel) and x.dim() >= 2:
         a = layout.axis % x.dim()
@@ -125,14 +129,69 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     return unit_order(lo), unit_order(hi)
 
 
-def _transposed_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-channel ranges of a transposed matrix (``w.t()``) read from the memory it views:
-    its channels are the columns or the rows of that contiguous matrix."""
-    if not (isinstance(layout, Channel) and x.dim() == 2 and -2 <= layout.axis < 2
-            and _use_kernel(x.t()) and _kernel() is not None):
-        return None  # (an axis out of range: the units path says so)
-    m = x.t()
-    return column_minmax(m) if layout.axis % 2 == 0 else unit_minmax(m)
+def memory_order(x: torch.Tensor) -> list[int] | None:
+    """The dims of ``x`` from the outermost in memory to the innermost, so that
+    ``x.permute(order)`` is contiguous: a view of the same memory in its own order; None
+    where ``x`` is not dense (a slice: gaps in its memory)."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # (stable: size-1 dims tie)
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _permuted_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`layout_minmax` of a dense ``x`` that is not contiguous (a transposed matrix,
+    a channels_last activation or weight, permuted key / value states), read from ``m =
+    x.permute(memory_order(x))``, the same memory as a contiguous tensor, where
+    ``to_units`` would copy ``x`` first (6-18x the contiguous tensor's time, found by
+    probing): the same units under ``m``'s axes, their results put back in ``x``'s unit
+    order. None where ``x`` has gaps, or the units are no row, column or run of ``m``."""
+    order = memory_order(x)
+    if order is None:
+        return None
+    m = x.permute(order)
+    if isinstance(layout, TensorLayout):  # one unit: min / max take any order
+        return unit_minmax(m.view(1, -1))
+    if isinstance(layout, Channel) and -x.dim() <= layout.axis < x.dim():
+        a = order.index(layout.axis % x.dim())
+        if a == 0:  # the channels are m's rows
+            return unit_minmax(m.view(m.shape[0], -1))
+        return layout_minmax(m, Channel(a))  # units indexed by channel alone: no reorder
+    if isinstance(layout, (Group, Block)) and getattr(layout, "g_idx", None) is None \
+            and -x.dim() <= layout.axis < x.dim():
+        return _permuted_runs(x, m, order, layout)
+    if isinstance(layout, Tile) and order[:-2] == list(range(x.dim() - 2)):  # (x.t())
+        return _transposed_tiles(m, layout)
+    return None
+
+
+def _permuted_runs(x, m, order, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Groups / blocks of a dense permuted ``x`` from ``m`` (:func:`_permuted_minmax`): the
+    runs along the same axis of ``m``, whose units come in ``m``'s order of the other axes,
+    then permuted to ``x``'s."""
+    a, size = layout.axis % x.dim(), layout.size
+    am = order.index(a)
+    if am < m.dim() - 1:  # slabs whose columns are units
+        found = _segment_minmax(m, replace(layout, axis=am))
+    elif m.shape[-1] % size:
+        return None  # a padded tail: the units path takes the padding out
+    else:  # runs of m's rows: m's units are rows of its memory
+        found = unit_minmax(m.view(-1, size))
+    if found is None:
+        return None
+    others = [d for d in order if d != a]  # x's axes in m's order, then the run
+    grid = [x.shape[d] for d in others] + [x.shape[a] // size]
+    back = [others.index(d) for d in range(x.dim()) if d != a] + [len(others)]
+    return tuple(t.view(grid).permute(back).reshape(-1) for t in found)
+
+
+def _transposed_tiles(m, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tiles of ``x`` whose last two axes are transposed in memory (``m``: ``x`` with them
+    swapped back, contiguous): ``m``'s ``cols x rows`` tiles, their grid transposed."""
+    found = layout_minmax(m, Tile(layout.cols, layout.rows))
+    if found is None:
+        return None
+    R, C = m.shape[-2:]
+    grid = (-1, -(-R // layout.cols), -(-C // layout.rows))  # (leading, m's tile rows, cols)
+    return tuple(t.view(grid).transpose(1, 2).reshape(-1) for t in found)
 
 
 def unpad_minmax_(layout, units: torch.Tensor, shape, lo: torch.Tensor, hi: torch.Tensor) -> list:
