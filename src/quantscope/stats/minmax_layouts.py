@@ -42,18 +42,23 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = torch.aminmax(m, dim=0)
         return lo.to(dtype), hi.to(dtype)
     lo, hi = kernels.buffer(C), kernels.buffer(C)
-    _column_kernel(lib, m, lo, hi)
+    _column_kernel(lib, m[None], lo, hi)
     return lo, hi
 
 
-def _column_kernel(lib, m: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """The C column reduction of a contiguous ``m [R >= 2, C]`` (a kernel dtype) into ``lo`` /
-    ``hi`` (contiguous float32 ``[C]``, rows of a larger tensor included)."""
-    R, C = m.shape
+def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """The C column reduction of every slab of a contiguous ``slabs [runs, R >= 2, C]`` (a
+    kernel dtype) into the rows of ``lo`` / ``hi`` (contiguous float32 ``[runs, C]``): one
+    call a slab, at pointers computed here (a view per slab cost more than a small one's
+    reduction: a 1024 x 1024 ``w.t()``'s 32 blocks, found by probing)."""
+    runs, R, C = slabs.shape
     threads = _threads(R * C, R)
     work = torch.empty(threads * 3 * C, dtype=torch.float32)
-    lib.qs_col_minmax(m.data_ptr(), R, C, lo.data_ptr(), hi.data_ptr(), work.data_ptr(), threads,
-                      KERNEL_DTYPES[m.dtype])
+    x, step, out = slabs.data_ptr(), R * C * slabs.element_size(), C * lo.element_size()
+    lo_at, hi_at, code = lo.data_ptr(), hi.data_ptr(), KERNEL_DTYPES[slabs.dtype]
+    for i in range(runs):
+        lib.qs_col_minmax(x + i * step, R, C, lo_at + i * out, hi_at + i * out,
+                          work.data_ptr(), threads, code)
 
 
 def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,10 +126,9 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     runs = lead * (n // size)
     if a == x.dim() - 1 or n % size or size < 2 or trail < 16 or runs > MAX_SEGMENT_RUNS:
         return None  # units are rows of x already, a padded tail (zeros), or small slabs
-    slabs, lib = x.view(runs, size, trail), _kernel()
     lo, hi = kernels.buffer(runs, trail), kernels.buffer(runs, trail)
-    for i in range(runs):  # one C call per run: torch's amin / amax over the view take 2.4x
-        _column_kernel(lib, slabs[i], lo[i], hi[i])
+    # one C call per run: torch's amin / amax over the view take 2.4x
+    _column_kernel(_kernel(), x.view(runs, size, trail), lo, hi)
     unit_order = lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1)
     return unit_order(lo), unit_order(hi)
 
