@@ -49,3 +49,21 @@ class BlockingUploads(TorchDispatchMode):
                     and not bound.get("non_blocking", False):
                 self.found.append(name)
         return func(*args, **kwargs)
+
+
+class Copies(TorchDispatchMode):
+    """Records (``found``: op names) every op whose output is a new tensor of at least ``x``'s
+    size, a copy of the input ``x`` (a view of it shares its storage): how a test proves that
+    a path reads ``x`` in place."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self.numel, self.storage, self.found = x.numel(), x.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel \
+                    and t.untyped_storage().data_ptr() != self.storage:
+                self.found.append(str(func.overloadpacket))
+        return out

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from op_names import Copies
 
 import quantscope
 from quantscope import Block, Channel, Group, QuantSpec, Tensor, Tile, presets
@@ -102,23 +103,6 @@ IN_PLACE = [
     ("permuted value states", (2, 8, 128, 64), [0, 2, 1, 3], QuantSpec("fp8_e4m3", "tensor")),
     ("permuted value states", (2, 8, 128, 64), [0, 2, 1, 3], QuantSpec("int8", "channel:1")),
 ]
-
-
-class Copies(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every op whose output is a new tensor of at least ``numel`` elements (a copy
-    of the input; a view of it shares its storage)."""
-
-    def __init__(self, x: torch.Tensor):
-        super().__init__()
-        self.numel, self.storage, self.found = x.numel(), x.untyped_storage().data_ptr(), []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() >= self.numel \
-                    and t.untyped_storage().data_ptr() != self.storage:
-                self.found.append(str(func.overloadpacket))
-        return out
 
 
 @pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax"])

@@ -137,7 +137,7 @@ class Observer(nn.Module):
         # also finds the ends and updates the state, where torch takes a dozen small ops
         small = x_read.is_cpu and x_read.numel() < KERNEL_MIN_NUMEL
         fast = None
-        if minmax_only and not padded and not small:
+        if minmax_only and self.unpads and not small:  # (its padded units: real values')
             fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
         units = None if fast is not None else layout.to_units(x_read)
         units = units.contiguous() if small else units
