@@ -417,6 +417,22 @@ def _move_end(scorer, hist: Hist, lo, hi, side: int, radius: int, steps: int, co
     """``(lo, hi)`` with the best ``lo`` (``side`` 0, ``hi`` fixed) or the best ``hi`` (``side``
     1) over ``+-radius`` bins in ``1 / steps`` bin steps, coarse-to-fine; the current range
     wins ties."""
+    bounds = _stay_on_side(lo, hi, side, bounds, hist.width)
     line = Line.move(lo, hi, hist.width, side, radius, steps, bounds)
     best = scorer.line_argmin(line, radius * steps, coarse)
     return best.lo, best.hi
+
+
+def _stay_on_side(lo, hi, side: int, bounds, width):
+    """``bounds`` narrowed, where the data lie within a bin of zero, so that the moving end
+    stays on its side of the fixed one. A line orders each candidate's ends: a ``lo`` moved
+    past ``hi`` is the range ``[hi, lo']``; on such a grid (subnormal data, whose bins stop
+    at ``2 ** E_MIN``) a bin step jumps over all the data, and ``lo`` moved past ``hi = 0``
+    won, dropping every negative value. Elsewhere (the data span many bins) nothing changes."""
+    if bounds is None:
+        return None
+    blo, bhi = bounds
+    coarse = torch.maximum(blo.abs(), bhi.abs()) <= width
+    if side == 0:
+        return blo, torch.where(coarse, torch.minimum(bhi, hi), bhi)
+    return torch.where(coarse, torch.maximum(blo, lo), blo), bhi
