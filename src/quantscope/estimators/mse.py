@@ -40,7 +40,9 @@ priced by their float32 fake-quant outputs (observers convert bfloat16 / float16
 float32), and the rounding of the output to bfloat16 / float16 is not priced, so there the
 chosen range can be slightly worse than min-max (measured: +0.7 % on an int8 per-channel
 case; fp8 per tensor +2.6 % in one sample, up to +3.9 % over 600 tensors). A non-finite error (float32 squares that
-overflow) never replaces the best so far, under either ``tie``.
+overflow) never replaces the best so far, under either ``tie``; nor does a candidate whose
+range is not finite (a factor > 1 of values near float32's max: ``mse_tiles.candidate_qparams``
+prices it NaN), so no search returns a range past float32.
 """
 
 from __future__ import annotations
@@ -471,7 +473,8 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     separate min-max incumbent, factor 1 (min-max) is the middle candidate, so the
     result is still never worse than min-max. Where no candidate's error is finite (values
     past ~1e19: their squares overflow float32), min-max stands, as in Quark, whose best
-    starts as min-max with an infinite error (the first candidate would be 4x it).
+    starts as min-max with an infinite error (the first candidate would be 4x it); a candidate
+    whose range overflows float32 (x2, x4 of values near its max) is never chosen.
     """
     check_int("pow2_search", "span", span, 0, MAX_SPAN)
     units, lo, hi = _check(units, lo, hi, spec, norm)

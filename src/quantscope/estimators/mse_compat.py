@@ -51,7 +51,6 @@ import torch
 from .. import kernels
 from .._checks import version_of
 from ..formats import IntFormat
-from ..qparams import qparams_from_range
 from . import mse_tiles
 
 __all__ = ["RHO", "STATS", "applies", "engine", "price", "scanned", "search",
@@ -246,7 +245,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     f_lo = torch.tensor(f_lo, dtype=torch.float32)
     f_hi = torch.tensor(f_hi, dtype=torch.float32)
     lo_c, hi_c = lo[None] * f_lo[:, None], hi[None] * f_hi[:, None]
-    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=None, check_finite=False)
+    qp = mse_tiles.candidate_qparams(lo_c, hi_c, spec, None)
     b = _Bounds(units.contiguous(), qp.effective_scale.expand_as(lo_c),
                 qp.zero_point.float().expand_as(lo_c), spec, norm, chunk_elems)
     if not b.ok:

@@ -39,8 +39,8 @@ import torch
 
 from .. import kernels
 from ..formats import FloatFormat, IntFormat
-from ..qparams import qparams_from_range
 from ..spec import QuantSpec
+from .mse_tiles import candidate_qparams
 
 __all__ = ["KernelState", "dq", "price", "search", "usable"]
 
@@ -206,8 +206,7 @@ class _Search:
         self.chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]
 
     def _qparams(self, lo_c, hi_c):
-        qp = qparams_from_range(lo_c, hi_c, self.spec, global_amax=self.global_amax,
-                                check_finite=False)
+        qp = candidate_qparams(lo_c, hi_c, self.spec, self.global_amax)
         return qp.effective_scale.expand_as(lo_c), qp.zero_point
 
     def _grid(self, a, b, gstop, flags):

@@ -40,8 +40,8 @@ import torch
 from .._numerics import upload
 from ..formats import FloatFormat, IntFormat, named
 from ..kernels import ops
-from ..qparams import qparams_from_range
 from ..spec import QuantSpec
+from .mse_tiles import candidate_qparams
 
 __all__ = ["search", "usable"]
 
@@ -79,7 +79,7 @@ def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm, 
     first = (lo, hi) if incumbent is None else incumbent  # its qparams: only for `same`
     lo_c = torch.cat((first[0][None], lo[None] * f_lo[:, None]))
     hi_c = torch.cat((first[1][None], hi[None] * f_hi[:, None]))
-    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+    qp = candidate_qparams(lo_c, hi_c, spec, global_amax)
     scale = qp.effective_scale.expand_as(lo_c).contiguous()
     zp = qp.zero_point.expand_as(lo_c).to(torch.int32).contiguous()
     enc = qp.scale.expand_as(lo_c)

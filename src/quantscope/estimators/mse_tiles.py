@@ -9,18 +9,34 @@ never over units, groups or blocks. :class:`_State` holds the selection rules th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..formats import IntFormat
 from ..kernels.select_ops import beats
 from ..qdq import fake_quantize_units
-from ..qparams import qparams_from_range
+from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 
 
 def norm_sum(d: torch.Tensor, norm: float) -> torch.Tensor:
     """``sum(|d| ** norm)`` over the last dim (one pass, no temporary)."""
     return torch.linalg.vector_norm(d, ord=norm, dim=-1).pow_(norm)
+
+
+def candidate_qparams(lo_c: torch.Tensor, hi_c: torch.Tensor, spec: QuantSpec,
+                      global_amax) -> QParams:
+    """The qparams of candidate ranges ``lo_c, hi_c``, with a NaN scale where the range is not
+    finite (a factor > 1 of values near float32's max): every engine prices that NaN, and a
+    non-finite error never replaces the best, so a native search never returns such a range
+    (``qparams_from_range`` saturates its scale, and its finite error could win). The one
+    place every engine (tiles, C kernel, ops, :mod:`.mse_compat`) takes a candidate's qparams
+    from. (llm-compressor's own search prices such a range NaN too: its scale is inf.)"""
+    # candidates scale the observer's checked min / max: no device read-back per chunk
+    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+    past = torch.maximum(lo_c.abs(), hi_c.abs()) == math.inf
+    return QParams(qp.scale.masked_fill(past, math.nan), qp.zero_point, qp.global_scale)
 
 
 def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: QuantSpec,
@@ -81,8 +97,7 @@ def tile_numels(n_units: int, n_elems: int, total: int, chunk_elems: int,
 
 def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams."""
-    # candidates derive from the observer's checked min / max: no device read-back per chunk
-    qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+    qp = candidate_qparams(lo_c, hi_c, spec, global_amax)
     scale = qp.effective_scale.expand_as(lo_c)
     zp = qp.zero_point.float()
     cc = lo_c.shape[0]
