@@ -39,6 +39,7 @@ from ..stats.minmax import (
     KERNEL_MIN_NUMEL,
     MINMAX_DTYPES,
     extreme_ends,
+    range_overflow,
     record_ends,
     record_non_finite,
     unit_minmax,
@@ -268,9 +269,8 @@ class Observer(nn.Module):
 
     def _record_non_finite(self, lo: torch.Tensor, hi: torch.Tensor,
                            ends: torch.Tensor | None = None) -> None:
-        # NaN / inf reach a unit's min or max, and the smallest min / largest max then hold
-        # them (NaN propagates; an all-(+inf) unit has min +inf, an all-(-inf) one max -inf):
-        # two values to test (``ends``, when unit_minmax already found them)
+        # NaN / inf reach a unit's min or max, so the smallest min / largest max hold them
+        # (an all-(+inf) unit has min +inf): two values to test (``ends``: unit_minmax's)
         if ends is None and lo.device.type != "cpu" and lo.dim() == 1 \
                 and lo.dtype == hi.dtype == torch.float32:
             record_non_finite(lo, hi, self.seen_non_finite)  # one launch where torch takes seven
@@ -319,7 +319,10 @@ class Observer(nn.Module):
         runs once; model calibration reports the range beside the qparams)."""
         self.check_ready()
         lo, hi = self.calculate_range()
-        qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
+        try:
+            qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
+        except ValueError as err:  # no NaN / inf came in (check_ready): did the state overflow?
+            raise range_overflow(self, lo, hi) or err
         return lo, hi, qp.reshape(self.spec.layout.qparam_shape(self.shape))
 
     @property
@@ -379,11 +382,10 @@ class Observer(nn.Module):
 
     def sync_plan(self):
         """How the state reduces across processes: ``{buffer: MIN | MAX | SUM | AVG}`` (the
-        :class:`~quantscope.comm.Op` vocabulary) and :class:`~quantscope.comm.CustomSync`
-        items (e.g. :class:`~quantscope.stats.histogram_sync.HistogramSync`). The base's
-        counters and flags are synced by :mod:`quantscope.observers.sync` itself. Every
-        family overrides it; a subclass written against the earlier private name
-        ``_sync_plan`` still works."""
+        :class:`~quantscope.comm.Op` vocabulary) and :class:`~quantscope.comm.CustomSync` items
+        (e.g. :class:`~quantscope.stats.histogram_sync.HistogramSync`). The base's counters and
+        flags are synced by :mod:`quantscope.observers.sync` itself. Every family overrides
+        it; a subclass written against the earlier private name ``_sync_plan`` still works."""
         legacy = getattr(type(self), "_sync_plan", None)
         if legacy is not None:
             return legacy(self)
@@ -422,8 +424,7 @@ class Observer(nn.Module):
         return ()
 
     def _setting_buffers(self) -> tuple[str, ...]:
-        """Buffers that hold a setting given to the constructor, not observed state:
-        :meth:`reset` keeps them; on load they take the saved shape, like sized buffers."""
+        """Buffers holding a constructor setting, not state: kept by :meth:`reset`, sized on load."""
         return ()
 
     def _store(self, names, values) -> None:
@@ -451,8 +452,7 @@ class Observer(nn.Module):
         # sized buffers take the saved shape before the copy, so a fresh observer loads any state
         for name in (*self._sized_buffers(), *self._setting_buffers(), "observed_shape"):
             key = prefix + name
-            if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
-                old = getattr(self, name)
+            if key in state_dict and (old := getattr(self, name)).shape != state_dict[key].shape:
                 setattr(self, name, torch.empty_like(state_dict[key], dtype=old.dtype,
                                                      device=old.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,

@@ -10,6 +10,7 @@ from .._checks import write_refused
 from ..comm import AVG, MAX, MIN
 from ..qparams import QParams, amax_of_range
 from ..stats.minmax import (
+    EMA_OVERFLOW,
     UPDATES,
     minmax_observe,
     op_unit_count,
@@ -222,6 +223,7 @@ class MovingAverageMinMaxObserver(MinMaxStateObserver):
 
     #: ``state += c * (batch - state)``, torch.ao's rounding (compat classes may pick another)
     state_update = "ema"
+    overflow_cause = EMA_OVERFLOW
 
     def calculate_range(self):
         return ordered(self.min_vals, self.max_vals)  # (the EMA's rounding can cross them)

@@ -31,7 +31,7 @@ import torch
 from .._checks import check_int
 from ..comm import AVG
 from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
-from ..stats.minmax import ema_, ordered
+from ..stats.minmax import EMA_OVERFLOW, ema_, ordered
 from .base import Observer
 from .registry import register
 
@@ -139,6 +139,16 @@ class MemorylessMSEObserver(Observer):
     def global_amax(self):
         # the amax the ranges were searched under; compat mode derives it from the ranges
         return self.global_amax_val[0] if self.global_amax_val.numel() else None
+
+    @property
+    def overflow_cause(self) -> str:
+        """What takes the range past float32 from finite input: compat's ``expand`` (native
+        searches never choose such a candidate), and for the moving average its update."""
+        causes = [EMA_OVERFLOW] if not self.memoryless else []
+        if self.compat and self.options["expand"] != 1:
+            causes.insert(0, f"expand={self.options['expand']} takes the observed range past "
+                             f"float32's max (llm-compressor's search then returns NaN scales)")
+        return "; or ".join(causes) or "its search overflowed float32"
 
     def extra_repr(self):
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
