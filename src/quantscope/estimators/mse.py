@@ -39,10 +39,13 @@ their error never exceeds min-max's, on the float32 values of the tensor: candid
 priced by their float32 fake-quant outputs (observers convert bfloat16 / float16 inputs to
 float32), and the rounding of the output to bfloat16 / float16 is not priced, so there the
 chosen range can be slightly worse than min-max (measured: +0.7 % on an int8 per-channel
-case; fp8 per tensor +2.6 % in one sample, up to +3.9 % over 600 tensors). A non-finite error (float32 squares that
-overflow) never replaces the best so far, under either ``tie``; nor does a candidate whose
-range is not finite (a factor > 1 of values near float32's max: ``mse_tiles.candidate_qparams``
-prices it NaN), so no search returns a range past float32.
+case; fp8 per tensor +2.6 % in one sample, up to +3.9 % over 600 tensors). A non-finite
+error (float32 squares that overflow) never replaces the best so far, under either ``tie``;
+nor does a candidate whose range is not finite (a factor > 1 of values near float32's max:
+``mse_tiles.candidate_qparams`` prices it NaN), so no search returns a range past float32.
+Float32 squares also *underflow* (``|d|`` below ~3e-23): on units of tiny values candidates
+tie at 0 and the tie rule, not the error, picks (docs/guide/observers.md: pow2 / linear up to
+16x / 88x worse than min-max there).
 """
 
 from __future__ import annotations
@@ -470,7 +473,7 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     Scaling the range by ``2 ** k`` moves a power-of-two scale by exactly ``k``
     binades, so the candidates are the factors ``4, 2, 1, 1/2, 1/4`` (span 2), the
     first strict minimum winning as in Quark (which tries the largest scale first): no
-    separate min-max incumbent, factor 1 (min-max) is the middle candidate, so the
+    separate min-max incumbent, factor 1 (min-max) is the middle candidate, so the (priced)
     result is still never worse than min-max. Where no candidate's error is finite (values
     past ~1e19: their squares overflow float32), min-max stands, as in Quark, whose best
     starts as min-max with an infinite error (the first candidate would be 4x it); a candidate
