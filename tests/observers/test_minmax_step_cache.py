@@ -134,3 +134,27 @@ def test_inference_mode_state_and_grad_input():
     x = g(1, 8, 32).requires_grad_()
     feed(obs, twin, [x, g(2, 8, 32)])
     assert not obs.min_vals.is_inference()
+
+
+def test_copies_and_saved_observers_carry_no_cache():
+    """A copy gets no cache of its original's (its scratch's address is the original's
+    memory, which the copy would write into after the original is freed), and a saved
+    observer loads under weights_only (no QuantSpec in a cache)."""
+    import copy
+    import io
+
+    obs = StaticMinMaxObserver(QuantSpec("int8", Tensor()))
+    for _ in range(2):
+        obs(torch.randn(4, 64))
+    assert "_cpu_scratch" in obs.__dict__  # the cached step ran
+    twin = copy.deepcopy(obs)
+    assert not {"_cpu_plans", "_cpu_scratch"} & set(twin.__dict__)
+    twin(torch.full((4, 64), 9.0))
+    assert twin.max_vals.item() == 9.0 and obs.max_vals.item() < 9.0
+    buf = io.BytesIO()
+    torch.save(obs, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([type(obs), QuantSpec, Tensor]):
+        loaded = torch.load(buf, weights_only=False)
+    assert not {"_cpu_plans", "_cpu_scratch"} & set(loaded.__dict__)
+    assert torch.equal(loaded.max_vals, obs.max_vals)

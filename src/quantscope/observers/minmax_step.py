@@ -40,6 +40,9 @@ _STEPS = ("check_input", "leave_inference_mode", "_check_unit_count", "_unit_min
 _classes: dict[type, bool] = {}
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
+#: the observer attributes :func:`cpu_step` caches in; never copied or pickled (a scratch's
+#: address is its own object's memory, which a copy would write into)
+CACHES = ("_cpu_plans", "_cpu_scratch")
 
 
 def _takes_class(cls: type, base: type) -> bool:
