@@ -129,9 +129,11 @@ class MemorylessMSEObserver(Observer):
         self._store(res.lo, res.hi, ga)
 
     def _store(self, lo, hi, ga):
-        self.min_vals, self.max_vals = lo, hi
+        # Observer._store: in place once a batch has sized them (torch.export keeps only that)
+        names, values = ("min_vals", "max_vals"), (lo, hi)
         if ga is not None:
-            self.global_amax_val = ga
+            names, values = names + ("global_amax_val",), values + (ga,)
+        Observer._store(self, names, values)
 
     def calculate_range(self):
         return self.min_vals, self.max_vals
