@@ -48,6 +48,7 @@ values, not device reads.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import kernels
 from .minmax import MINMAX_DTYPES
@@ -87,10 +88,10 @@ def bin_values(counts: torch.Tensor, units: torch.Tensor, exp: torch.Tensor,
         return True
     if units.dtype != torch.float32:
         _bin_pieces(lib, counts, units, exp, first, absolute, threads)
-        return True
-    # a strided layout's units (a transpose): one copy, then the kernel is still several
-    # times faster than the torch ops on the strided view
-    _bin(lib, counts, units.contiguous(), exp, first, absolute, threads)
+    else:  # a strided layout's units (a transpose): one copy, then the kernel is still
+        # several times faster than the torch ops on the strided view
+        _bin(lib, counts, units.contiguous(), exp, first, absolute, threads)
+    increment_version(counts)  # written by the C, as an in-place torch op would
     return True
 
 
@@ -141,13 +142,16 @@ def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool, inplace: b
     U, B = state[0].shape
     if (lib is None or B < 1 or not _state_ok(state, U, B) or lo.shape != (U,)
             or hi.shape != (U,) or not kernels.plain(lo, torch.float32)
-            or not kernels.plain(hi, torch.float32)):
-        return None
+            or not kernels.plain(hi, torch.float32)
+            or inplace and not all(kernels.writable(t, t.dtype) for t in state)):
+        return None  # (a write torch would refuse: the torch path raises its error)
     # fresh counts not zero-filled: the kernel writes every row
     new = tuple(state) if inplace else _new_state(torch.empty(U, B, dtype=torch.int64))
     if lib.qs_hist_regrid(U, B, int(absolute), lo.data_ptr(), hi.data_ptr(),
                           *(t.data_ptr() for t in state), *(t.data_ptr() for t in new)):
         return None
+    if inplace:
+        increment_version(new)  # written by the C, as in-place torch ops would
     return new
 
 
@@ -165,10 +169,11 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
             or not _state_ok(state, 1, B)):
         return None
     new = _new_state(torch.zeros(1, B, dtype=torch.int64))  # the kernel adds into it
-    if ends is None or ends.shape != (2,) or not kernels.plain(ends, torch.float32):
+    if ends is None or ends.shape != (2,) or not kernels.writable(ends, torch.float32):
         ends = kernels.buffer(2)
     lo, hi = kernels.buffer(1), kernels.buffer(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
                              lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), kernels.threads(threads))
+    increment_version(ends)  # (may be the caller's: written by the C)
     return None if miss else (new, lo, hi)
