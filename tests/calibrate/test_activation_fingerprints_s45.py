@@ -59,6 +59,18 @@ def test_a_kv_cache_role_records_the_projection_that_makes_it(kv_only):
         cal.check_model(model, "export")  # its own model passes
 
 
+
+def test_a_model_lacking_a_calibrated_attention_is_left_to_apply_to_name(kv_only):
+    """Another model lacking layer 1, whose attention's projections the KV fingerprints
+    name: no weight's bits are compared (as for a quantized weight's layer), so the error
+    apply raises names the missing module, not a failure to find the projection."""
+    _, _, cal = kv_only
+    other = llama(seed=1)[0]
+    other.model.layers = other.model.layers[:1]
+    cal.check_model(other, "export")
+    with pytest.raises(ValueError, match=r"apply: the model has no module 'model\.layers\.1\."):
+        cal.apply(other)
+
 def test_kv_cache_scales_onto_other_keys_are_refused(kv_only, tmp_path):
     model, _, cal = kv_only
     other = _scaled(model)
@@ -93,6 +105,20 @@ def test_kv_cache_and_mlp_recipe_refuses_a_model_whose_k_proj_differs(tmp_path):
         quantscope.export(cal, _scaled(model, 3.0), tmp_path / "ct")
     assert quantscope.export(cal, model, tmp_path / "own")
 
+
+
+def test_a_quantized_weight_and_its_input_scales_name_the_weight_itself():
+    """w8a8: a Linear's weight and its static input carry one fingerprint (its weight's).
+    Another weight is named as a quantized weight is, without "for its input scales" (the
+    first role's words; the input's scales come through that same weight)."""
+    model, batches = llama()
+    cal = calibrate(model, batches, "w8a8", progress=False)
+    q = cal.states["model.layers.0.self_attn.q_proj"]
+    assert q["weight"].fingerprint == q["input"].fingerprint is not None
+    with pytest.raises(ValueError, match=r"^apply: model\.layers\.0\.self_attn\.q_proj\.weight "
+                                         r"is not the weight calibrated \(its bits differ from "
+                                         r"the fingerprint calibrate recorded\): "):
+        cal.apply(llama(seed=1)[0])
 
 def test_static_input_scales_onto_other_weights_are_refused(tmp_path):
     model, batches = llama()
@@ -218,7 +244,9 @@ def test_a_version_this_quantscope_does_not_read_is_refused_naming_those_it_does
     calibrate(model, batches, "w8a8", progress=False).save(tmp_path / "cal")
     meta_path = tmp_path / "cal" / "quantscope.json"
     meta = json.loads(meta_path.read_text())
-    meta["version"] = 3
-    meta_path.write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"version: this quantscope reads versions 1, 2, got 3"):
-        load(tmp_path / "cal")
+    for version, shown in ((3, "3"), (True, "True"), (2.0, "2.0"), ("2", "'2'")):
+        meta["version"] = version  # JSON's true and 2.0 equal 1 and 2 in Python: no version
+        meta_path.write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=rf"version: this quantscope reads versions 1, 2, "
+                                             rf"got {shown}$"):
+            load(tmp_path / "cal")

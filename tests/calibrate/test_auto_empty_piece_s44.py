@@ -13,7 +13,15 @@ import torch
 from tiny_models import Sqrt
 from torch import nn
 
-from quantscope.calibration import Auto, apply, calibrate, calibrate_many, preset, sensitivity
+from quantscope.calibration import (
+    Auto,
+    Runtime,
+    apply,
+    calibrate,
+    calibrate_many,
+    preset,
+    sensitivity,
+)
 from quantscope.calibration.choice.score_set import score_pieces
 
 NAMES = ["minmax", "mse"]
@@ -77,14 +85,32 @@ def test_sequential_auto_leaves_a_piece_without_tokens_out_as_the_whole_model_do
         assert all(0 < v < math.inf for v in info["scores"].values())
 
 
-def test_auto_refuses_documents_with_no_real_token_at_all():
+@pytest.mark.parametrize("runtime", [Runtime(), Runtime(distributed=True)],
+                         ids=["alone", "distributed-without-a-group"])
+def test_auto_refuses_documents_with_no_real_token_at_all(runtime):
+    """Runtime(distributed=True) outside a process group is one process: its scoring decides
+    "no piece left" alone, as Runtime() does (not a ZeroDivisionError of a mean over none)."""
     model, batches = _llama()
     for b in batches:
         b["attention_mask"].zero_()
     with pytest.raises(ValueError, match=r"^auto: the documents compared hold no real token "
                                          r"\(every attention mask is all 0\)"):
         calibrate(model, batches, "w8a8", observer="auto", auto=Auto(candidates=NAMES),
-                  progress=False)
+                  progress=False, runtime=runtime)
+
+
+def test_distributed_auto_outside_a_group_refuses_batches_all_left_out():
+    """Every batch brings NaN under non_finite='ignore': Runtime(distributed=True) with no
+    process group raises the one-process error, as Runtime() does."""
+    x = torch.randn(4, 16)
+    x[0, 0] = float("nan")
+    for runtime in (Runtime(), Runtime(distributed=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the NaN batch left out
+            with pytest.raises(ValueError, match=r"^auto: every scoring batch \(1\) brought "
+                                                 r"NaN or inf values"):
+                calibrate(_mlp(), [x], preset("w8a8", "auto", non_finite="ignore"),
+                          auto=Auto(candidates=NAMES), progress=False, runtime=runtime)
 
 
 def test_an_error_on_a_scoring_piece_names_the_piece_and_its_batch_rows():

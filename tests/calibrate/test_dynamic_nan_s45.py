@@ -7,8 +7,11 @@ raises on them), and the error names the batch as a static role's does."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from op_names import OpNames
 from torch import nn
 
 from quantscope.calibration import Sampling, calibrate, calibrate_many
@@ -148,6 +151,40 @@ def test_flag_tensor_reads_strided_rows_and_float64_past_float32():
     non_finite.flag_tensor(big, slot)
     assert not bool(slot.seen_non_finite)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_flag_tensor_off_the_cpu_moves_the_flag_once_and_reads_nothing_back(dtype):
+    """Off the CPU (the meta device stands in for a GPU: a host read raises there) the flag
+    moves to the tensor's device once; a float32 / bf16 tensor is tested by the observers'
+    two ops (``unit_minmax`` of its rows, ``record_non_finite``), one of another dtype
+    (float64) by torch's ``aminmax`` of it."""
+    slot = observe.Slot("l", "input", None, seen_non_finite=torch.zeros((), dtype=torch.bool))
+    x = torch.empty(4, 3, 16, dtype=dtype, device="meta")
+    non_finite.flag_tensor(x, slot)
+    assert slot.seen_non_finite.device.type == "meta"
+    with OpNames() as seen:
+        non_finite.flag_tensor(x, slot)  # the flag is on the device now: no copy
+    assert "aten._to_copy" not in seen.names
+    if dtype == torch.float64:
+        assert {"aten.aminmax", "aten.bitwise_or_"} <= seen.names
+        assert not {"quantscope.unit_minmax", "quantscope.record_non_finite"} & seen.names
+    else:
+        assert seen.calls["quantscope.unit_minmax"] == 1
+        assert seen.calls["quantscope.record_non_finite"] == 1
+        assert "aten.aminmax" not in seen.names
+
+
+def test_an_empty_batch_through_a_dynamic_role_is_no_error():
+    """A batch of no rows holds no value to test (observers skip empty tensors, and torch's
+    aminmax of one raises): the run-time role's flag is not set by it, nor does it hide a
+    NaN brought before it."""
+    batches = [*_batches(0, 0.0), torch.empty(0, 16)]
+    c = calibrate(_mlp(), batches, "w8a8-dynamic", progress=False)
+    assert c.states["0"]["input"].dynamic is True
+    batches = [*_batches(2), torch.empty(0, 16)]
+    with pytest.raises(ValueError, match="^" + re.escape(DYNAMIC)):
+        calibrate(_mlp(), batches, "w8a8-dynamic", progress=False, sampling=Sampling(tokens=1))
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_run_time_weight_holding_nan_raises_unless_its_options_ignore_it(value):

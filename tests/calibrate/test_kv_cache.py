@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from quantscope import fake_quantize
-from quantscope.calibration import Calibration, Recipe, Role, calibrate, load, preset
+from quantscope.calibration import (
+    Calibration,
+    Recipe,
+    Role,
+    calibrate,
+    calibrate_many,
+    load,
+    preset,
+)
 from quantscope.calibration.recipe import KV_CACHE
 from quantscope.qparams import qparams_from_range
 
@@ -249,6 +257,16 @@ def test_encoder_attention_is_not_the_kv_cache():
     with pytest.raises(ValueError, match="sets kv_cache but the model has no attention module"):
         calibrate(siglip, [{"pixel_values": torch.randn(1, 3, 28, 28)}],
                   preset("fp8-kv"), progress=False)
+
+
+
+def test_a_model_without_attention_names_the_first_recipe_asking_for_a_kv_cache():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    recipes = {"a": preset("w8a8"), "b": preset("fp8-kv"),
+               "c": preset("w8a8", kv_cache="fp8")}  # named "fp8-kv", then "w8a8"
+    with pytest.raises(ValueError, match=r"^calibrate: recipe 'fp8-kv' sets kv_cache but the "
+                                         r"model has no attention module"):
+        calibrate_many(model, [torch.randn(2, 8)], recipes, progress=False)
 
 
 def tiny_gemma4_k_eq_v():

@@ -262,6 +262,17 @@ def test_fisher_leaves_a_batch_of_padding_only_out_as_model_does():
         fisher_weights(model, [padding, padding], layers)
 
 
+
+def test_fisher_with_no_batch_is_the_empty_batches_error_not_no_real_token():
+    """No batch at all is not "documents holding no real token": fisher's weights are none,
+    and calibrate refuses the empty batches as it does for any other metric."""
+    model = _tiny_llama()
+    assert fisher_weights(model, [], ["model.layers.0.mlp.down_proj"]) == {}
+    with pytest.raises(ValueError, match=r"^calibrate: batches is empty"):
+        quantscope.calibrate(model, [], "w8a8", observer="auto",
+                             auto=Auto(("minmax", "mse"), "fisher"), progress=False)
+
+
 @pytest.mark.parametrize(("loss", "got"), [
     (lambda o, b: o.square().mean(0), r"a tensor of shape \(16,\)"),  # a vector per feature
     (lambda o, b: float(o.square().mean()), "float"),  # a number: nothing to differentiate

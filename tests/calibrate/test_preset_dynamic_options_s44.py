@@ -39,6 +39,18 @@ def test_the_dynamic_input_role_takes_the_non_finite_option(observer):
     assert dict(rule.weight.options)["non_finite"] == "ignore"
 
 
+
+@pytest.mark.parametrize("observer", ["mse", "percentile"])
+def test_a_local_role_takes_the_observer_given_as_a_static_one(observer):
+    """NVFP4's input (``dynamic="local"``: its global scale calibrated from the amax seen)
+    is calibrated, not a run-time role: it runs the observer the preset is given (and its
+    options), where a run-time role (``dynamic=True``) keeps its own."""
+    for r in (preset("nvfp4", observer, non_finite="ignore"),
+              preset("nvfp4").with_observer(observer, non_finite="ignore")):
+        inp = r.rules[0].input
+        assert inp.dynamic == "local" and inp.observer == observer
+        assert dict(inp.options) == {"non_finite": "ignore"}
+
 def test_an_option_the_run_time_observer_does_not_take_stays_off_it():
     rule = preset("w8a8-dynamic", "mse", maxshrink=0.5).rules[0]
     assert dict(rule.input.options) == {} and dict(rule.weight.options) == {"maxshrink": 0.5}

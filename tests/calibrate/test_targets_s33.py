@@ -175,6 +175,16 @@ def test_embedding_input_alone_says_it_takes_no_input_role():
         Recipe((Rule(("Conv2d",), input=A8),)).match(model)
 
 
+def test_an_embedding_bag_takes_no_input_role_either():
+    """An EmbeddingBag's input is token ids (and offsets), as an Embedding's: a rule's
+    input role skips it, its weight role stays."""
+    model = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"'0' \(EmbeddingBag\) takes no input role.*token "
+                                         r"ids"):
+        Recipe((Rule(("EmbeddingBag",), input=A8),)).match(model)
+    matched = Recipe((Rule(("EmbeddingBag",), weight=W8, input=A8),)).match(model)
+    assert list(matched) == ["0"] and set(matched["0"][1]) == {"weight"}
+
 def test_sequential_skips_a_piece_whose_matches_take_no_role():
     """The piece outside the blocks holds the Embedding alone (the head is ignored): it takes
     no input role, so the piece has nothing to calibrate, as when nothing matches there."""

@@ -36,6 +36,19 @@ def test_a_kv_role_naming_its_observer_keeps_it_under_auto():
     assert Recipe((), kv_cache=kv).with_observer("auto").kv_cache == kv  # nothing given
 
 
+
+def test_a_kv_roles_own_option_is_kept_whole_under_auto():
+    """The KV role keeps its observer under auto, and so its own options as written (as a
+    run-time role keeps its own): one its observer does not take is not dropped in silence,
+    the calibration refuses it naming it."""
+    kv = Role(KV_CACHE["fp8"], "minmax", options={"percentile": 99.0})
+    got = Recipe((), kv_cache=kv).with_observer("auto", non_finite="ignore").kv_cache
+    assert got.observer == "minmax"
+    assert dict(got.options) == {"percentile": 99.0, "non_finite": "ignore"}
+    model, batches = llama()
+    with pytest.raises(ValueError, match=r"self_attn' key: observer 'minmax'.*'percentile'"):
+        calibrate(model, batches, Recipe((), kv_cache=kv).with_observer("auto"), progress=False)
+
 def test_an_option_the_kv_cache_alone_does_not_take_is_refused():
     # no rule: the KV cache's min-max is the only observer, and it takes no percentile
     with pytest.raises(ValueError, match=r"option 'percentile' .*key observer 'minmax'.*"

@@ -121,6 +121,8 @@ def _writes(r, out, tmp):
                                        progress=False)
         quantscope.export(cal, llama, os.path.join(tmp, f"ct{r}"))
         out["ct"] = sorted(os.listdir(os.path.join(tmp, f"ct{r}")))
+        dist.barrier()  # rank 0's checkpoint written: every rank reads it, one writes
+        out["ct read"] = Calibration.from_compressed_tensors(os.path.join(tmp, "ct0")).writer_rank
     dist.barrier()
     out["written"] = sorted(n for n in os.listdir(tmp) if n != "src" and n[:2] != "ct")
 
@@ -174,6 +176,13 @@ def test_a_compressed_tensors_export_on_rank_1_holds_the_weights(ranks):
     pytest.importorskip("compressed_tensors")
     for got in rank_results(ranks, "ct"):
         assert {"config.json", "model.safetensors"} <= set(got), got
+
+
+def test_a_calibration_read_from_a_checkpoint_is_written_by_one_rank(ranks):
+    """As one loaded from a quantscope folder: every rank read the same checkpoint, so the
+    default group's rank 0 writes what its save and exports write (not every rank)."""
+    pytest.importorskip("compressed_tensors")
+    assert rank_results(ranks, "ct read") == [0, 0]
 
 
 def test_a_rank_that_writes_nothing_logs_so(ranks):

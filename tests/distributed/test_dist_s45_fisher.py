@@ -147,3 +147,16 @@ def test_ranks_given_the_same_batches_send_no_weights(ranks):
     for (got, sent), want in rank_results(ranks, "same weights"):
         assert sent == 0
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_batches_crc_tells_the_same_bytes_in_another_shape_or_dtype_apart():
+    """Ranks are given the same batches only where their tensors' dtypes and shapes match
+    too: token ids 0..11 as (2, 6) and as (3, 4) are other documents, the same bytes as
+    float32 and as int32 other values; their parts must be exchanged."""
+    from quantscope.calibration.run.gather import _crc
+
+    ids = torch.arange(12)
+    assert _crc([ids.reshape(2, 6)]) != _crc([ids.reshape(3, 4)])
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    assert _crc([x]) != _crc([x.view(torch.int32)])
+    assert _crc([x]) == _crc([x.clone()]) == _crc([{"x": x.t().contiguous().t()}])

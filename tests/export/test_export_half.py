@@ -153,3 +153,23 @@ def test_bf16_kv_cache_scales_are_refused_or_rounded_as_the_other_scales(tmp_pat
     stored = safetensors.load_file(f"{path}/model.safetensors")
     for key, value in rounded.items():  # in the model's dtype, as compressed-tensors holds it
         assert stored[key].dtype == torch.bfloat16 and torch.equal(stored[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kv_cache_scales_are_written_in_a_wide_models_dtype(tmp_path, dtype):
+    """compressed-tensors' scale dtype is the attention's own where it is a float one
+    (float16, bfloat16, float32, float64; ``initialize_qparams``): a float32 / float64
+    model's k_scale / v_scale hold the calibrated values exactly, in its dtype."""
+    from quantscope.calibration import Recipe
+
+    model, batches = _model(dtype)
+    cal = calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing rounded: no lossy note
+        path = quantscope.export(cal, model, tmp_path / "ct")
+    stored = safetensors.load_file(f"{path}/model.safetensors")
+    for layer, roles in cal.states.items():
+        for role, key in (("key", "k_scale"), ("value", "v_scale")):
+            got = stored[f"{layer}.{key}"]
+            assert got.dtype == dtype, (layer, key, got.dtype)
+            assert torch.equal(got, roles[role].qparams.scale.reshape(1).to(dtype)), key

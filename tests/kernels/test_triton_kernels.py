@@ -904,6 +904,26 @@ def test_hist_regrid_in_place_moves_only_the_units_whose_grid_moves(device, abso
         assert want.exp[2] == state.exp[2] and want.first[2] != state.first[2]
 
 
+@pytest.mark.parametrize("absolute", [False, True])
+def test_hist_regrid_a_width_growing_past_2_to_the_63(device, absolute):
+    """A range growing from 2 ** -100 to 2 ** 100 widens the bins by 2 ** 200: the shift
+    that re-bins them is clamped (an int64 shift by 64 or more is undefined on the GPU),
+    and every count lands in the one or two bins about zero, as ``_update_grid``."""
+    from quantscope.kernels.triton import histogram as tri
+    from quantscope.stats import histogram as H
+
+    state = H._update_grid(H.empty_state(2, 64), torch.tensor([-2.0 ** -100, -1e-30]),
+                           torch.tensor([2.0 ** -100, 3e-30]), absolute)
+    state = state._replace(counts=torch.randint(1, 1000, (2, 64),
+                                                generator=torch.Generator().manual_seed(3)))
+    lo, hi = torch.tensor([-2.0 ** 100, -1e30]), torch.tensor([2.0 ** 100, 1e30])
+    want = H._update_grid(state, lo, hi, absolute)
+    assert bool((want.exp - state.exp > 63).all())  # the case
+    got = [t.to(device, copy=True) for t in state]
+    tri.regrid_(*got, lo.to(device), hi.to(device), absolute, block=16)
+    _assert_same_state(got, want)
+    assert torch.equal(want.counts.sum(1), state.counts.sum(1))
+
 def test_hist_regrid_constants_are_the_histograms():
     from quantscope.kernels.triton import histogram as tri
     from quantscope.stats import histogram as H

@@ -400,3 +400,40 @@ def test_hist_regrid_cpu_is_update_grid(absolute):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert [t.data_ptr() for t in state] == held
     assert not torch.equal(before[0], state.counts)  # the grid did change
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_hist_regrid_cpu_without_the_c_kernel_writes_the_states_own_tensors(monkeypatch,
+                                                                             absolute):
+    """Where the C kernel is not built (or declines: NaN / inf), the torch grid change's
+    fresh tensors are copied into the state's own: the op returns nothing."""
+    from quantscope.stats import hist_kernel
+
+    monkeypatch.setattr(hist_kernel, "_kernel", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    lo, hi = torch.aminmax(torch.randn(4, 30, generator=g) * 7, dim=1)
+    state = _hist_state(lo, hi, g)
+    want = H._update_grid(state, lo, hi, absolute)
+    assert not torch.equal(want.counts, state.counts)  # the grid moves
+    assert hist_regrid_(*state, lo, hi, absolute) is None
+    for a, b in zip(state, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_hist_regrid_triton_takes_a_strided_state_through_the_torch_path(device):
+    """The Triton kernel reads and writes ``exp``, ``first``, ``lo``, ``hi`` through their
+    pointers as contiguous ``[U]``: a strided one (a column of a wider tensor) is updated by
+    the torch path instead, in place, as ``_update_grid``."""
+    from quantscope.stats import hist_ops
+
+    g = torch.Generator().manual_seed(7)
+    lo, hi = torch.aminmax(torch.randn(4, 30, generator=g) * 7, dim=1)
+    state = _hist_state(lo, hi, g)
+    want = H._update_grid(state, lo, hi, False)
+    wide = [torch.stack([t, -t], -1).to(device) for t in state[1:]]  # [U, 2]: stride 2
+    got = [state.counts.to(device, copy=True), *(w[:, 0] for w in wide)]
+    assert not any(t.is_contiguous() for t in got[1:])  # the case
+    hist_ops._cuda_hist_regrid_(*got, lo.to(device), hi.to(device), False)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b)
+    assert all(torch.equal(w[:, 1].cpu(), -t) for w, t in zip(wide, state[1:]))  # untouched

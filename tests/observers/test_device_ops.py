@@ -265,6 +265,22 @@ def test_histogram_grid_change_is_one_op(spec):
     assert not seen.calls.keys() & {"aten._foreach_copy_", "aten.copy_", "aten.empty_like"}
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_histogram_update_off_the_cpu_leaves_the_state_unless_inplace(inplace):
+    """Off the CPU the grid change writes the state it is given (``hist_regrid_``): without
+    ``inplace`` that is a copy, so the caller's state is not modified (its tensors are not
+    the ones returned, nor written); with it, the state's own tensors come back."""
+    from quantscope.stats import histogram as H
+
+    state = H.empty_state(3, 16, device="meta")
+    units = torch.empty(3, 10, device="meta")
+    lo, hi = torch.empty(3, device="meta"), torch.empty(3, device="meta")
+    with OpNames() as seen:
+        new = H.update(state, units, lo, hi, inplace=inplace)
+    assert [a is b for a, b in zip(new, state, strict=True)] == [inplace] * 5
+    assert seen.calls["quantscope.hist_regrid_"] == 1
+    assert seen.calls.get("aten.clone", 0) == (0 if inplace else 5)
+
 @pytest.mark.parametrize("name", ["histogram", "percentile", "kl"])
 def test_histogram_reads_bf16_units_as_they_are(name):
     """Off the CPU the native grid's ops read bf16 units exactly: no float32 copy of the
