@@ -32,7 +32,6 @@ from torch import nn
 
 from .. import kernels
 from .._checks import check_float32_range, check_number, check_spec, dtensor_error, is_dtensor
-from .._numerics import upload
 from ..qparams import QParams, qparams_from_range
 from ..spec import QuantSpec
 from ..stats.minmax import (
@@ -47,6 +46,7 @@ from ..stats.minmax import (
 )
 from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
+from .shape import record_shape, units_before
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
 __all__ = ["NON_FINITE_MODES", "Observer", "dtensor_error", "is_dtensor", "only_observes",
@@ -198,15 +198,14 @@ class Observer(nn.Module):
         return True
 
     def _check_unit_count(self, count: int, shape) -> None:
-        if self.accumulates and self._last_shape is not None:
+        before = units_before(self) if self.accumulates else None
+        if before is not None and before != count:
             layout = self.spec.layout
-            before = layout.num_units(self._last_shape)
-            if before != count:
-                raise ValueError(
-                    f"{self.describe()}: {layout} gave {count} units for shape "
-                    f"{tuple(shape)}, but {before} before; a {self.name} observer keeps "
-                    f"per-unit state, so the unit count must not change (use a memoryless "
-                    f"observer for dynamic per-token ranges)")
+            raise ValueError(
+                f"{self.describe()}: {layout} gave {count} units for shape "
+                f"{tuple(shape)}, but {before} before; a {self.name} observer keeps "
+                f"per-unit state, so the unit count must not change (use a memoryless "
+                f"observer for dynamic per-token ranges)")
 
     @property
     def takes_minmax(self) -> bool:
@@ -279,11 +278,7 @@ class Observer(nn.Module):
 
     def set_shape(self, shape):
         """Record the shape of the last observed tensor (the sync sets the agreed one)."""
-        # a Python mirror of the buffer, so forward never reads a device tensor back
-        shape = tuple(shape)
-        if shape != self._last_shape:
-            self._last_shape = shape
-            self.observed_shape = upload(shape, self.observed_shape.device, torch.int64)
+        record_shape(self, shape)  # and its Python mirror, so forward never reads a device tensor
 
     def _observe(self, units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Update the statistics from ``units [U, E]`` (float32; the min-max family's in the

@@ -44,28 +44,9 @@ import torch
 from .._numerics import as_float32
 from . import hist_kernel
 
-__all__ = [
-    "E_MAX",
-    "E_MIN",
-    "Hist",
-    "HistState",
-    "add_values",
-    "binned_counts",
-    "check_state",
-    "empty_state",
-    "fold_abs",
-    "grid_exponent",
-    "grid_first",
-    "linear_counts",
-    "merge",
-    "normal_width",
-    "padding_zeros",
-    "pow2",
-    "rebin",
-    "scaled",
-    "update",
-    "view",
-]
+__all__ = ["E_MAX", "E_MIN", "Hist", "HistState", "add_values", "binned_counts", "check_state",
+           "empty_state", "fold_abs", "grid_exponent", "grid_first", "linear_counts", "merge",
+           "normal_width", "padding_zeros", "pow2", "rebin", "scaled", "update", "view"]
 
 E_MIN, E_MAX = -126, 126  # 2**e and 2**-e both normal float32
 _MAG_BITS = 22  # bin indices stay below 2**23: exact in float32 and int32
@@ -208,17 +189,25 @@ def _add_values_torch(counts, units, exp, first, absolute=False):
     if U == 1:  # one unit: 1-D ops are much faster than the row-wise ones
         flat, f = units.reshape(-1), first.float()
         one = torch.ones(1, dtype=counts.dtype, device=counts.device)
-        for s in range(0, flat.numel(), _CHUNK):
-            idx = _bin(flat[s:s + _CHUNK] * inv, f, B, absolute)
+        for s, e in _spans(flat.numel(), _CHUNK):
+            idx = _bin(flat[s:e] * inv, f, B, absolute)
             counts.view(-1).index_add_(0, idx, one.expand(idx.numel()))
         return counts
     cols = max(1, _CHUNK // U)
     f, inv = first.float()[:, None], inv[:, None]
     one = torch.ones(1, 1, dtype=counts.dtype, device=counts.device)
-    for s in range(0, units.shape[1], cols):
-        idx = _bin(units[:, s:s + cols] * inv, f, B, absolute).long()
+    for s, e in _spans(units.shape[1], cols):
+        idx = _bin(units[:, s:e] * inv, f, B, absolute).long()
         counts.scatter_add_(1, idx, one.expand_as(idx))
     return counts
+
+
+def _spans(n, step) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each pass over ``n`` values; compiled, one pass: a loop over a
+    symbolic size guards on it (one graph per token count)."""
+    if torch.compiler.is_compiling():
+        return [(0, n)]
+    return [(s, s + step) for s in range(0, n, step)]
 
 
 def _bin(t, first, bins, absolute):
