@@ -183,9 +183,11 @@ EMA_OVERFLOW = ("its moving average of finite ranges overflowed float32: the upd
 def range_overflow(observer, lo: torch.Tensor, hi: torch.Tensor) -> ValueError | None:
     """The error for an observer whose range ``lo, hi`` is not finite though no NaN / inf was
     observed (its flag is clear): its own arithmetic overflowed float32, as its
-    ``overflow_cause`` says; None where the range is finite (another refusal stands). Only
-    after a refusal: no read-back on the common path."""
-    if bool((torch.stack((lo, hi)).abs() < math.inf).all()):
+    ``overflow_cause`` says; None where the range is finite (another refusal stands) or holds
+    NaN (no overflow of finite values makes one first: a state written into). Only after a
+    refusal: no read-back on the common path."""
+    ends = torch.stack((lo, hi))
+    if bool((ends.abs() < math.inf).all()) or bool(ends.isnan().any()):
         return None
     cause = getattr(observer, "overflow_cause", "its state overflowed float32")
     return ValueError(f"{observer.describe()}: its range is not finite though every value it "
