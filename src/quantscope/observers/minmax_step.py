@@ -146,9 +146,8 @@ def cpu_step(obs, x, base: type) -> bool:
     addr, floats = _scratch(obs, U)
     # (the running min / max reads no constant: no nn.Module.__getattr__ miss for it)
     c = 0.0 if kind == UPDATES["min"] else float(getattr(obs, "averaging_constant", 0.0))
-    threads = _stats._threads(U * E, U if U > 1 else E)
-    lib.qs_unit_minmax(x.data_ptr(), U, E, addr, addr + 4 * U, addr + 8 * U, threads, kind, c,
-                       slo.data_ptr(), shi.data_ptr(), int(kernels.streaming()), code)
+    _stats.kernel_pass(lib, x.data_ptr(), U, E, addr, addr + 4 * U, addr + 8 * U, kind, c,
+                       slo.data_ptr(), shi.data_ptr(), code)
     increment_version((slo, shi))  # written by the C, as the general path bumps them
     if not (math.isfinite(floats[2 * U]) and math.isfinite(floats[2 * U + 1])):
         bufs["seen_non_finite"].fill_(True)

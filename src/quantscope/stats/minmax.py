@@ -33,7 +33,7 @@ from ..kernels import streaming as _streaming
 from ..kernels import triton as _triton
 
 __all__ = ["EMA_OVERFLOW", "KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_",
-           "extreme_ends", "holds_non_finite", "minmax_observe", "minmax_update",
+           "extreme_ends", "holds_non_finite", "kernel_pass", "minmax_observe", "minmax_update",
            "op_unit_count", "op_units", "ordered", "range_overflow", "record_ends",
            "record_non_finite", "torch_unit_minmax", "unit_minmax", "zero_non_finite"]
 
@@ -300,18 +300,24 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         return lo, hi
     lo, hi = out if out is not None else (kernels.buffer(U), kernels.buffer(U))
     scratch = ends if ends is not None else kernels.buffer(2)
-    # one unit: the C splits its elements over the threads
-    threads = _threads(U * E, U if U > 1 else E)
     if update is None:
         mode, c, slo, shi, written = 0, 0.0, None, None, (lo, hi)
     else:
         kind, c, slo, shi = update
         mode, c, written = UPDATES[kind], float(c), (lo, hi, slo, shi)
         slo, shi = slo.data_ptr(), shi.data_ptr()
-    lib.qs_unit_minmax(units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                       threads, mode, c, slo, shi, int(_streaming()), KERNEL_DTYPES[units.dtype])
+    kernel_pass(lib, units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
+                mode, c, slo, shi, KERNEL_DTYPES[units.dtype])
     increment_version(written)  # written by the C, as in-place torch ops would (one call)
     return lo, hi
+
+
+def kernel_pass(lib, x: int, U: int, E: int, lo: int, hi: int, ends: int, mode: int, c: float,
+                state_lo: int | None, state_hi: int | None, code: int) -> None:
+    """The C min / max pass over ``U`` rows of ``E`` at address ``x`` (:func:`unit_minmax`'s, the
+    cached observer step's): one thread rule (one unit: its elements split over them)."""
+    lib.qs_unit_minmax(x, U, E, lo, hi, ends, _threads(U * E, U if U > 1 else E), mode, c,
+                       state_lo, state_hi, int(_streaming()), code)
 
 
 def op_units(x: torch.Tensor, layout) -> torch.Tensor | None:
