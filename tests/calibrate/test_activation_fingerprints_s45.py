@@ -71,6 +71,7 @@ def test_a_model_lacking_a_calibrated_attention_is_left_to_apply_to_name(kv_only
     with pytest.raises(ValueError, match=r"apply: the model has no module 'model\.layers\.1\."):
         cal.apply(other)
 
+
 def test_kv_cache_scales_onto_other_keys_are_refused(kv_only, tmp_path):
     model, _, cal = kv_only
     other = _scaled(model)
