@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["as_float32", "true_div", "upload"]
+__all__ = ["as_float32", "expansion_overflow", "true_div", "upload"]
 
 
 #: float32's largest value, and the exponent of its subnormals' spacing (2 ** -149)
@@ -43,6 +43,18 @@ def as_float32(x: float) -> float:
     step = max(math.frexp(x)[1] - 24, _F32_TINY_STEP)  # float32's spacing at |x|
     y = math.copysign(math.ldexp(round(math.ldexp(x, -step)), step), x)  # ties to even
     return y if abs(y) <= _F32_MAX else math.copysign(math.inf, x)
+
+
+def expansion_overflow(lo: torch.Tensor, hi: torch.Tensor, expand: float) -> float | None:
+    """The largest finite ``|end|`` of the ranges ``lo, hi`` that ``expand`` takes past
+    float32's max, or None where none is. One host read, only where ``expand != 1``."""
+    if expand == 1.0 or lo.is_meta:  # meta: shapes only, nothing to read
+        return None
+    amax = torch.maximum(lo.abs(), hi.abs())
+    finite = amax.isfinite()
+    if not bool((finite & ~(amax * expand).isfinite()).any()):
+        return None
+    return amax[finite].max().item()
 
 
 def true_div(t: torch.Tensor, c: float) -> torch.Tensor:

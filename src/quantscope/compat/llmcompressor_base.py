@@ -24,6 +24,7 @@ import torch
 from torch import distributed as dist
 
 from .._checks import check_float32_range
+from .._numerics import expansion_overflow
 from ..formats import FP4_E2M1, FP8_E4M3
 from ..layout import Channel
 from ..qparams import amax_of_range, qparams_from_range
@@ -303,14 +304,11 @@ def check_finite_statistics(observer, *values: torch.Tensor) -> None:
 def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: float) -> None:
     """Refuse finite ranges that a search's ``expand`` takes past float32 (llm-compressor's
     then returns NaN scales, silently), naming ``observer``."""
-    if expand == 1.0 or lo.is_meta:  # meta: shapes only, nothing to read
-        return
-    amax = torch.maximum(lo.abs(), hi.abs())
-    if bool((amax.isfinite() & ~(amax * expand).isfinite()).any()):
+    amax = expansion_overflow(lo, hi, expand)
+    if amax is not None:
         raise ValueError(
             f"{_who(observer)}: expand={expand} takes the observed range past float32's max "
-            f"(max |x| = {amax[amax.isfinite()].max().item():.3g}); llm-compressor returns "
-            f"NaN scales")
+            f"(max |x| = {amax:.3g}); llm-compressor returns NaN scales")
 
 
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:

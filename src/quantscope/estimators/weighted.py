@@ -21,6 +21,7 @@ import math
 import torch
 
 from .._checks import check_int, check_number, check_spec
+from .._numerics import expansion_overflow
 from ..formats import tensor_arg
 from ..kernels import ops
 from ..qdq import fake_quantize, fake_quantize_units
@@ -71,6 +72,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
         raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
     _check_weights(units, weights)
     lo0, hi0 = unit_minmax(units) if ranges is None else ranges
+    amax = expansion_overflow(lo0, hi0, expand)
+    if amax is not None:  # every candidate would be inf: the search would return inf
+        raise ValueError(f"weighted_search: expand={expand} takes the units' range past "
+                         f"float32's max (max |x| = {amax:.3g})")
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
     if not float32_sums and patience is None and units.device.type != "cpu":
@@ -290,6 +295,8 @@ def _imatrix(w, importance, spec, factors, norm):
     weights = importance_units(importance, w.shape, spec, w.device)
     units = spec.layout.to_units(w)
     lo0, hi0 = unit_minmax(units)
+    if not bool(torch.stack((lo0, hi0)).isfinite().all()):  # one read, per weight
+        raise ValueError("imatrix_range: w must be finite (got NaN or inf)")
     lo, hi = weighted_search(units, weights, spec, factors=factors, norm=norm,
                              ranges=(lo0, hi0))
     return lo, hi, lo0, hi0
