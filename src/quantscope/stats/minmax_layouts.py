@@ -170,11 +170,14 @@ def _permuted_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tenso
     x.permute(memory_order(x))``, the same memory as a contiguous tensor, where
     ``to_units`` would copy ``x`` first (6-18x the contiguous tensor's time, found by
     probing): the same units under ``m``'s axes, their results put back in ``x``'s unit
-    order. None where ``x`` has gaps, or the units are no row, column or run of ``m``."""
+    order. None where ``x`` has gaps, the units are no row, column or run of ``m``, or the
+    C kernel cannot read ``m`` (the column kernel has no torch twin here)."""
     order = memory_order(x)
     if order is None:
         return None
     m = x.permute(order)
+    if not _use_kernel(m) or _kernel() is None:
+        return None  # torch reads the units (no library; fake, traced or float64 data)
     if isinstance(layout, TensorLayout):  # one unit: min / max take any order
         return unit_minmax(m.view(1, -1))
     if isinstance(layout, Channel) and -x.dim() <= layout.axis < x.dim():
