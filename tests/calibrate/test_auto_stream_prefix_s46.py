@@ -10,7 +10,7 @@ import torch
 from tiny_models import llama
 
 import quantscope
-from quantscope.calibration import Auto
+from quantscope.calibration import Auto, Runtime
 from quantscope.calibration.choice import auto as auto_mod
 from quantscope.calibration.run import session
 
@@ -93,7 +93,9 @@ def test_model_metric_holds_only_the_scoring_prefix(monkeypatch, sized):
     _same(streamed, listed)
 
 
-def test_fisher_metric_holds_only_the_scoring_prefix(monkeypatch):
+# distributed=True outside a process group is one process: it holds the prefix alone too
+@pytest.mark.parametrize("runtime", [Runtime(), Runtime(distributed=True)], ids=str)
+def test_fisher_metric_holds_only_the_scoring_prefix(monkeypatch, runtime):
     model, _ = llama()
     batches, auto = _batches(True), Auto(metric="fisher", score_tokens=TOKENS)
     listed = quantscope.calibrate(model, batches, "w8a8", observer="auto", auto=auto,
@@ -101,7 +103,7 @@ def test_fisher_metric_holds_only_the_scoring_prefix(monkeypatch):
     stream, seen = Stream(batches), []
     _watch(monkeypatch, session, "_conclude", stream, seen)  # the choice, after the pass
     streamed = quantscope.calibrate(model, stream, "w8a8", observer="auto", auto=auto,
-                                    progress=False)
+                                    progress=False, runtime=runtime)
     assert len(stream.refs) == N
     assert seen and set(seen[0]) <= set(range(PREFIX)), seen
     _same(streamed, listed)

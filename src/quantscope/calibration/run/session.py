@@ -148,6 +148,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
     ``top``: the user's own call (the options checked against its recipes)."""
     t0 = time.perf_counter()
     batches = [] if batches is None else batches
+    across = opts.runtime.distributed and qd.is_distributed(opts.runtime.group)
     # distributed: a check failing on one rank (its recipe, its batches) raises on every rank
     # here, not with the others waiting in the planning's collectives
     with (qd.all_or_none("calibrate's checks", opts.runtime.group, same_type=True)
@@ -156,7 +157,6 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
         check_batches(batches)
         scored = opts.auto.metric == "model" and any(map(has_auto, recipes.values()))
         if scored:
-            across = opts.runtime.distributed and qd.is_distributed(opts.runtime.group)
             # read twice, the scoring prefix only: calibrated on, then scored on
             head, batches = _held(model, batches, opts, across)
             if not head and not across:  # (across ranks: below, once every rank is here)
@@ -193,12 +193,12 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
             return _end_to_end(model, batches, recipes, opts)
         fisher = None
         if opts.auto.metric == "fisher":  # its g^2 from the scoring prefix, before the pass
-            head, batches = _held(model, batches, opts, opts.runtime.distributed, fisher=True)
+            head, batches = _held(model, batches, opts, across, fisher=True)
             fisher = _fisher_weights(model, head, recipes, opts.auto, opts.runtime)
         # MoE experts become Linear views for the whole calibration (moe.py); restored after
         with _moe.attach(model, opts.moe.all_experts, recipes=recipes.values()) as experts:
             experts.min_tokens = opts.moe.min_tokens
-            if opts.runtime.distributed and qd.is_distributed(opts.runtime.group):
+            if across:
                 return calibrate_distributed(model, batches, recipes, opts, t0, experts,
                                              _conclude, fisher)
             return _calibrate_local(model, batches, recipes, opts, t0, experts, fisher)
