@@ -393,20 +393,22 @@ def _forward_all(model, batches, total, progress, batch_index, end_batch) -> int
     trim = heap.runs_on_host(model)
     it = with_progress(batches, progress, "calibrate", total=total, desc="calibrating",
                        unit="batch")
-    n, passing, numbering = 0, _IN_PASS.set(True), _BATCH.set(None)
-    try:
-        with torch.inference_mode():
-            for batch in it:
-                number = n if batch_index is None else batch_index(n)
-                _BATCH.set(number)
+    n = 0
+    # the pass (hooks live, inference mode) is each batch's forward alone: a forward the
+    # batches' own iterator runs (a generator filtering by the model's loss) is no data
+    for batch in it:
+        number = n if batch_index is None else batch_index(n)
+        passing, numbering = _IN_PASS.set(True), _BATCH.set(number)
+        try:
+            with torch.inference_mode():
                 forward_batch(model, batch)
                 end_batch(number)
-                if trim:
-                    heap.trim()  # the fragmented heap's free pages back (heap.py)
-                n += 1
-    finally:
-        _IN_PASS.reset(passing)
-        _BATCH.reset(numbering)
+        finally:
+            _IN_PASS.reset(passing)
+            _BATCH.reset(numbering)
+        if trim:
+            heap.trim()  # the fragmented heap's free pages back (heap.py)
+        n += 1
     return n
 
 
