@@ -5,6 +5,7 @@ its batches to the running call's observers."""
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 
 from torch import nn
@@ -18,6 +19,18 @@ __all__ = ["calibrating"]
 #: the running call's observers
 _BUSY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _BUSY_LOCK = ForkSafeLock()
+#: in a forked child, the modules a call of the parent held at the fork: that call does not
+#: exist here, but its hooks (and any in-place change, SmoothQuant's) were copied with them
+_FORKED_BUSY: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    _FORKED_BUSY.update(_BUSY)
+    _BUSY.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -29,6 +42,12 @@ def calibrating(model):
         return
     modules = list(model.modules())
     with _BUSY_LOCK:
+        if any(m in _FORKED_BUSY for m in modules):
+            raise ValueError("calibrate: the model, or a module of it, was being calibrated "
+                             "when this process was forked from its parent: its copy here "
+                             "carries that call's hooks and any change it had made in place; "
+                             "calibrate a copy made or loaded in this process, or fork once "
+                             "the parent's call has returned")
         if any(m in _BUSY for m in modules):
             raise ValueError("calibrate: the model, or a module of it, is being calibrated by a "
                              "call that has not returned (from a forward hook, or another "
