@@ -2,8 +2,8 @@
 against torch.ao's, in one interleaved run (thread CPU time: the machines are shared).
 
 ``qs`` is the observer as shipped (its cached CPU step, observers/minmax_step.py); ``general``
-the same class with one step overridden, which keeps forward's general path (the code before
-that step existed); ``ao`` torch.ao's observer of the same kind. Ratios are ao / qs (above 1:
+the same class with ``cached_cpu_step = False``, forward's general path (the code before that
+step existed); ``ao`` torch.ao's observer of the same kind. Ratios are ao / qs (above 1:
 quantscope faster). ``python bench/minmax_small.py [reps]``; not part of ``make bench``.
 """
 
@@ -21,13 +21,11 @@ from quantscope.observers import MovingAverageMinMaxObserver, StaticMinMaxObserv
 
 
 class GeneralStatic(StaticMinMaxObserver):
-    def _observe(self, units, lo, hi):  # an overridden step: the general forward path
-        super()._observe(units, lo, hi)
+    cached_cpu_step = False
 
 
 class GeneralEMA(MovingAverageMinMaxObserver):
-    def _observe(self, units, lo, hi):
-        super()._observe(units, lo, hi)
+    cached_cpu_step = False
 
 
 KINDS = {  # (quantscope class, its general-path twin, torch.ao class, layout)

@@ -138,8 +138,8 @@ def test_inference_mode_state_and_grad_input():
 
 def test_copies_and_saved_observers_carry_no_cache():
     """A copy gets no cache of its original's (its scratch's address is the original's
-    memory, which the copy would write into after the original is freed), and a saved
-    observer loads under weights_only (no QuantSpec in a cache)."""
+    memory, which the copy would write into after the original is freed), nor does a saved
+    and loaded observer."""
     import copy
     import io
 
@@ -154,7 +154,25 @@ def test_copies_and_saved_observers_carry_no_cache():
     buf = io.BytesIO()
     torch.save(obs, buf)
     buf.seek(0)
-    with torch.serialization.safe_globals([type(obs), QuantSpec, Tensor]):
-        loaded = torch.load(buf, weights_only=False)
+    loaded = torch.load(buf, weights_only=False)
     assert not {"_cpu_plans", "_cpu_scratch"} & set(loaded.__dict__)
     assert torch.equal(loaded.max_vals, obs.max_vals)
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_a_step_given_to_an_instance_runs(ema):
+    """A step replaced on the instance (a test's spy) runs on every call: the cached step
+    stands for the class's steps only."""
+    obs, twin = pair(Tensor(), ema)
+    calls = []
+    real = obs._record_non_finite
+    obs._record_non_finite = lambda *a, **k: calls.append(1) or real(*a, **k)
+    feed(obs, twin, [g(i, 4, 64) for i in range(3)])
+    assert len(calls) == 3
+
+
+def test_cached_cpu_step_false_keeps_the_general_path():
+    obs, twin = pair(Tensor(), False)
+    obs.cached_cpu_step = False
+    feed(obs, twin, [g(i, 4, 64) for i in range(3)])
+    assert "_cpu_plans" not in obs.__dict__  # never looked up

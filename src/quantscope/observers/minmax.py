@@ -82,6 +82,9 @@ class MinMaxStateObserver(Observer):
     #: forward fuses it into the min / max pass when set
     state_update: str | None = None
     _fused = False
+    #: whether the common CPU call may take the cached C step (:mod:`.minmax_step`; the same
+    #: state bit for bit); False (on a class or an instance) keeps the general forward
+    cached_cpu_step = True
 
     def _unit_minmax(self, units, count, ends):
         kind = self.state_update

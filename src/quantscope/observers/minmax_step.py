@@ -32,11 +32,12 @@ __all__ = ["cpu_step"]
 
 #: the input types whose memory is their values (kernels.real's; subclasses: general path)
 _REAL_TYPES = (torch.Tensor, torch.nn.Parameter)
-#: the steps of forward the cached call stands for: a class overriding any of them keeps the
-#: general path (its override must run)
-_STEPS = ("check_input", "leave_inference_mode", "_check_unit_count", "_unit_minmax",
-          "_minmax_out", "_record_non_finite", "_observe", "_update", "count_batch",
-          "set_shape", "_one_op_units")
+#: the steps of forward the cached call stands for: a class overriding any of them, or an
+#: instance given its own (a test's spy), keeps the general path (the override must run).
+#: (A step patched onto the base class itself after a class's first call is not seen.)
+_STEPS = frozenset(("check_input", "leave_inference_mode", "_check_unit_count",
+                    "_unit_minmax", "_minmax_out", "_record_non_finite", "_observe", "_update",
+                    "count_batch", "set_shape", "_one_op_units"))
 _classes: dict[type, bool] = {}
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
@@ -125,7 +126,8 @@ def cpu_step(obs, x, base: type) -> bool:
     kind = UPDATES.get(obs.state_update)  # (the instance's settings: they can change)
     if not takes or type(x) not in _REAL_TYPES or not x.is_cpu or x.layout != torch.strided \
             or obs.non_finite != "error" or obs.sync_every_step or obs._padded_call \
-            or kind is None or not obs.accumulates:
+            or kind is None or not obs.accumulates or not obs.cached_cpu_step \
+            or not _STEPS.isdisjoint(obs.__dict__):
         return False
     lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
     if lib is None or x.is_neg() or _wrapped(x):
