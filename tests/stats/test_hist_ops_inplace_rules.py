@@ -42,3 +42,21 @@ def test_ops_still_run_inside_inference_mode():
         hist_regrid_(*st, *WIDER, False)
         hist_add(st.counts, torch.randn(2, 50), st.exp, st.first, False)
     assert int(st.counts.sum()) == 100
+
+
+def test_fused_update_writes_the_ends_it_returns_for():
+    """Given ends it may not write (an inference tensor outside inference mode), the fused
+    C pass misses (the caller's torch path writes them) rather than returning a result with
+    the caller's ends unwritten."""
+    from quantscope.stats import hist_kernel
+    if hist_kernel._kernel() is None:
+        pytest.skip("no C kernel")
+    units = torch.tensor([[1.0, 5.0, -3.0] * 100])
+    st = H._update_grid(H.empty_state(1, 64), torch.tensor([-3.0]), torch.tensor([5.0]), False)
+    ends = torch.empty(2)
+    assert hist_kernel.fused_update(st, units, False, ends=ends) is not None
+    assert ends.tolist() == [-3.0, 5.0]
+    with torch.inference_mode():
+        ends = torch.full((2,), 7.0)
+    got = hist_kernel.fused_update(st, units, False, ends=ends)
+    assert got is None or ends.tolist() == [-3.0, 5.0]

@@ -160,7 +160,7 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     """One read of a one-unit batch ``units [1, E]``: ``(new_state, lo, hi)`` equal to
     ``unit_minmax(units, ends=ends)`` followed by ``update`` (see the module doc); None on a
     miss or when not applicable (``state`` is never modified; ``ends``, the smallest min and
-    largest max, may be)."""
+    largest max, is written where given, or None is returned)."""
     lib = _kernel()
     if lib is None or units.dim() != 2 or units.shape[0] != 1:
         return None
@@ -168,9 +168,10 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     if (not 1 <= B <= MAX_BINS or units.requires_grad or not kernels.plain(units, torch.float32)
             or not _state_ok(state, 1, B)):
         return None
+    if ends is not None and (ends.shape != (2,) or not kernels.writable(ends, torch.float32)):
+        return None  # the caller reads its ends: the torch path writes them (or says why not)
+    ends = kernels.buffer(2) if ends is None else ends
     new = _new_state(torch.zeros(1, B, dtype=torch.int64))  # the kernel adds into it
-    if ends is None or ends.shape != (2,) or not kernels.writable(ends, torch.float32):
-        ends = kernels.buffer(2)
     lo, hi = kernels.buffer(1), kernels.buffer(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
