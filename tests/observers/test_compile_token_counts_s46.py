@@ -30,8 +30,9 @@ def test_one_graph_for_every_token_count(name):
         x = torch.randn(rows, 64, generator=g) * rows
         eager(x)
         step(x)
-    # the first call sizes the state, torch's automatic-dynamic pass makes the size a symbol
-    assert counter.frame_count <= 3
+    # the first call sizes the state, torch's automatic-dynamic pass makes the size a symbol;
+    # static_minmax's state sized from empty on that first call is one more graph
+    assert counter.frame_count == (3 if name == "static_minmax" else 2)
     for key in _STATE:
         if hasattr(eager, key):
             assert torch.equal(getattr(compiled, key), getattr(eager, key)), key
