@@ -126,14 +126,14 @@ class MemorylessMSEObserver(Observer):
     def _observe(self, units, lo, hi):
         res = self._search(units, lo, hi)
         ga = None if res.global_amax is None else res.global_amax.reshape(1)
-        self._store(res.lo, res.hi, ga)
+        self._store_range(res.lo, res.hi, ga)
 
-    def _store(self, lo, hi, ga):
+    def _store_range(self, lo, hi, ga):
         # Observer._store: in place once a batch has sized them (torch.export keeps only that)
         names, values = ("min_vals", "max_vals"), (lo, hi)
         if ga is not None:
             names, values = names + ("global_amax_val",), values + (ga,)
-        Observer._store(self, names, values)
+        self._store(names, values)
 
     def calculate_range(self):
         return self.min_vals, self.max_vals
@@ -172,9 +172,9 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
         super().__init__(spec, **kwargs)
         self.averaging_constant = self._averaging_constant(averaging_constant)
 
-    def _store(self, lo, hi, ga):
+    def _store_range(self, lo, hi, ga):
         if self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
-            super()._store(lo.clone(), hi.clone(), None if ga is None else ga.clone())
+            super()._store_range(lo.clone(), hi.clone(), None if ga is None else ga.clone())
             return
         self._ema_(self.min_vals, lo)
         self._ema_(self.max_vals, hi)

@@ -67,7 +67,7 @@ from .score_set import (
 
 __all__ = ["OutputDivergence", "Tally", "calibrate_end_to_end", "check_options", "choose",
            "choose_roles", "no_batches_error", "score_batches",
-           "score_pieces", "scoring_prefix"]  # (no_batches_error and the score_*: .score_set's)
+           "score_pieces", "scoring_prefix"]  # (the last four: .score_set's)
 
 #: ``auto_metric="model"`` scores each configuration piece by piece (the first piece
 #: :data:`.score_set.FIRST_PIECE` of the scoring documents), dropping after each piece the

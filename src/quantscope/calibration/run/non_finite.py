@@ -49,7 +49,7 @@ class FirstBad:
     """The flags of ``watched`` (:class:`Watched` rows, in the order the errors name them,
     :func:`watched`), stacked at the end of each batch (:meth:`end_batch`)."""
 
-    def __init__(self, watched: list[tuple]):
+    def __init__(self, watched: list[Watched]):
         self.watched = watched
         self.batches: list = []  # (batch number, [(rows, flags of those rows)] per device)
 
