@@ -57,8 +57,8 @@ from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, 
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
-           "lib", "load", "plain", "qparams_consts", "read", "real", "set_streaming", "streaming",
-           "threads", "writable", "write"]
+           "lib", "load", "plain", "qparams_consts", "read", "real", "real_tensor",
+           "set_streaming", "streaming", "threads", "writable", "write"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -296,10 +296,13 @@ def real(*tensors: torch.Tensor) -> bool:
             or (_len_torch_dispatch_stack() and (_get_dispatch_mode(_FAKE) is not None
                                                  or _get_dispatch_mode(_PROXY) is not None))):
         return False
-    for t in tensors:  # the type first: the cheapest test, and the one a FakeTensor fails
-        if type(t) not in _REAL_TYPES or t.is_meta or t.is_neg() or _wrapped(t):
-            return False
-    return True
+    return all(map(real_tensor, tensors))
+
+
+def real_tensor(t: torch.Tensor) -> bool:
+    """:func:`real`'s test of one tensor, the context aside (callers that test it apart)."""
+    # the type first: the cheapest test, and the one a FakeTensor fails
+    return type(t) in _REAL_TYPES and not t.is_meta and not t.is_neg() and not _wrapped(t)
 
 
 def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:

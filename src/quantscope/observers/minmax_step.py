@@ -18,7 +18,6 @@ import ctypes
 import math
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor as _wrapped
 from torch.autograd.graph import increment_version
 
 from .. import kernels
@@ -30,8 +29,6 @@ from .base import tokens_of
 
 __all__ = ["cpu_step"]
 
-#: the input types whose memory is their values (kernels.real's; subclasses: general path)
-_REAL_TYPES = (torch.Tensor, torch.nn.Parameter)
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run).
 #: (A step patched onto the base class itself after a class's first call is not seen.)
@@ -102,8 +99,8 @@ def _lookup(obs, x: torch.Tensor):
 
 def _float32_state(t: torch.Tensor, n: int) -> bool:
     """A state tensor the kernel updates in place: a real contiguous float32 CPU ``[n]``."""
-    return (type(t) in _REAL_TYPES and t.shape == (n,) and t.dtype == torch.float32
-            and t.is_cpu and t.is_contiguous() and not t.is_neg() and not _wrapped(t))
+    return (t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+            and kernels.real_tensor(t))
 
 
 def _scratch(obs, n: int):
@@ -124,13 +121,13 @@ def cpu_step(obs, x, base: type) -> bool:
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
     kind = UPDATES.get(obs.state_update)  # (the instance's settings: they can change)
-    if not takes or type(x) not in _REAL_TYPES or not x.is_cpu or x.layout != torch.strided \
+    if not takes or not kernels.real_tensor(x) or not x.is_cpu or x.layout != torch.strided \
             or obs.non_finite != "error" or obs.sync_every_step or obs._padded_call \
             or kind is None or not obs.accumulates or not obs.cached_cpu_step \
             or not _STEPS.isdisjoint(obs.__dict__):
         return False
     lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
-    if lib is None or x.is_neg() or _wrapped(x):
+    if lib is None:
         return False
     plan = _lookup(obs, x)
     if plan is None:
