@@ -54,6 +54,7 @@ from quantscope.qparams import qparams_from_range
 
 # ---- min-max + qparams ---------------------------------------------------------------------
 
+
 def _qparams(units, spec):
     """Min-max qparams of ``units`` by the public path: ``unit_minmax`` and
     ``qparams_from_range`` (off the CPU one op each: ``int_qparams``,

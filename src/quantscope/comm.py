@@ -53,6 +53,7 @@ __all__ = [
     "writes_here",
 ]
 
+
 class Op(enum.Enum):
     """How a state buffer reduces across processes."""
 

@@ -59,7 +59,6 @@ def test_a_kv_cache_role_records_the_projection_that_makes_it(kv_only):
         cal.check_model(model, "export")  # its own model passes
 
 
-
 def test_a_model_lacking_a_calibrated_attention_is_left_to_apply_to_name(kv_only):
     """Another model lacking layer 1, whose attention's projections the KV fingerprints
     name: no weight's bits are compared (as for a quantized weight's layer), so the error
@@ -107,7 +106,6 @@ def test_kv_cache_and_mlp_recipe_refuses_a_model_whose_k_proj_differs(tmp_path):
     assert quantscope.export(cal, model, tmp_path / "own")
 
 
-
 def test_a_quantized_weight_and_its_input_scales_name_the_weight_itself():
     """w8a8: a Linear's weight and its static input carry one fingerprint (its weight's).
     Another weight is named as a quantized weight is, without "for its input scales" (the
@@ -120,6 +118,7 @@ def test_a_quantized_weight_and_its_input_scales_name_the_weight_itself():
                                          r"is not the weight calibrated \(its bits differ from "
                                          r"the fingerprint calibrate recorded\): "):
         cal.apply(llama(seed=1)[0])
+
 
 def test_static_input_scales_onto_other_weights_are_refused(tmp_path):
     model, batches = llama()

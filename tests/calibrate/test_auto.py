@@ -773,6 +773,7 @@ def test_imatrix_observer_matches_the_estimator_and_falls_back_to_unweighted():
         qp = obs.calculate_qparams()
         assert qp.scale.shape == spec.layout.qparam_shape(w.shape)
     # the weighted search has the lower weighted error, the unweighted the lower plain error
+
     def err(lo, hi, weights):
         qp = qparams_from_range(lo, hi, spec).reshape(spec.layout.qparam_shape(w.shape))
         return float(((fake_quantize(w, qp, spec) - w) ** 2 * weights).sum())

@@ -415,7 +415,6 @@ def test_auto_on_empty_batches_says_so(recipe, empty):
         calibrate(_mlp(), empty(), recipe, observer="auto", progress=False)
 
 
-
 class _EmptyWeight(nn.Module):
     def __init__(self, shape):
         super().__init__()

@@ -152,7 +152,6 @@ def test_flag_tensor_reads_strided_rows_and_float64_past_float32():
     assert not bool(slot.seen_non_finite)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_flag_tensor_off_the_cpu_moves_the_flag_once_and_reads_nothing_back(dtype):
     """Off the CPU (the meta device stands in for a GPU: a host read raises there) the flag
@@ -185,6 +184,7 @@ def test_an_empty_batch_through_a_dynamic_role_is_no_error():
     batches = [*_batches(2), torch.empty(0, 16)]
     with pytest.raises(ValueError, match="^" + re.escape(DYNAMIC)):
         calibrate(_mlp(), batches, "w8a8-dynamic", progress=False, sampling=Sampling(tokens=1))
+
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_run_time_weight_holding_nan_raises_unless_its_options_ignore_it(value):

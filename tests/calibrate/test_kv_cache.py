@@ -259,7 +259,6 @@ def test_encoder_attention_is_not_the_kv_cache():
                   preset("fp8-kv"), progress=False)
 
 
-
 def test_a_model_without_attention_names_the_first_recipe_asking_for_a_kv_cache():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     recipes = {"a": preset("w8a8"), "b": preset("fp8-kv"),

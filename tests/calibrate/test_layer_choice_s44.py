@@ -262,7 +262,6 @@ def test_fisher_leaves_a_batch_of_padding_only_out_as_model_does():
         fisher_weights(model, [padding, padding], layers)
 
 
-
 def test_fisher_with_no_batch_is_the_empty_batches_error_not_no_real_token():
     """No batch at all is not "documents holding no real token": fisher's weights are none,
     and calibrate refuses the empty batches as it does for any other metric."""

@@ -39,7 +39,6 @@ def test_the_dynamic_input_role_takes_the_non_finite_option(observer):
     assert dict(rule.weight.options)["non_finite"] == "ignore"
 
 
-
 @pytest.mark.parametrize("observer", ["mse", "percentile"])
 def test_a_local_role_takes_the_observer_given_as_a_static_one(observer):
     """NVFP4's input (``dynamic="local"``: its global scale calibrated from the amax seen)
@@ -50,6 +49,7 @@ def test_a_local_role_takes_the_observer_given_as_a_static_one(observer):
         inp = r.rules[0].input
         assert inp.dynamic == "local" and inp.observer == observer
         assert dict(inp.options) == {"non_finite": "ignore"}
+
 
 def test_an_option_the_run_time_observer_does_not_take_stays_off_it():
     rule = preset("w8a8-dynamic", "mse", maxshrink=0.5).rules[0]

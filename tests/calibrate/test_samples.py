@@ -24,7 +24,6 @@ def test_row_sample_takes_the_same_rows_as_select_and_cat():
     assert s.nbytes == 50 * 8 * 4  # one buffer, allocated once
 
 
-
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_call_dispatches_no_op_that_changes_nothing(grad):
     """A Linear's rows (the last axis, the buffer's dtype, no grad) are taken as they are:

@@ -36,7 +36,6 @@ def test_scales_are_llmcompressors(alpha):
     assert torch.equal(smoothing_scales(ranges, [lin.weight for lin in layers], alpha), theirs)
 
 
-
 @pytest.mark.parametrize("kind, arch", [
     ("phi3", "Phi3ForCausalLM"), ("bloom", "BloomForCausalLM"),
     ("deepseek_v3", "DeepseekV3ForCausalLM"), ("whisper", "WhisperForConditionalGeneration")])

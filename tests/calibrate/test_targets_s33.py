@@ -185,6 +185,7 @@ def test_an_embedding_bag_takes_no_input_role_either():
     matched = Recipe((Rule(("EmbeddingBag",), weight=W8, input=A8),)).match(model)
     assert list(matched) == ["0"] and set(matched["0"][1]) == {"weight"}
 
+
 def test_sequential_skips_a_piece_whose_matches_take_no_role():
     """The piece outside the blocks holds the Embedding alone (the head is ignored): it takes
     no input role, so the piece has nothing to calibrate, as when nothing matches there."""

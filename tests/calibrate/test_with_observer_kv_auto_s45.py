@@ -36,7 +36,6 @@ def test_a_kv_role_naming_its_observer_keeps_it_under_auto():
     assert Recipe((), kv_cache=kv).with_observer("auto").kv_cache == kv  # nothing given
 
 
-
 def test_a_kv_roles_own_option_is_kept_whole_under_auto():
     """The KV role keeps its observer under auto, and so its own options as written (as a
     run-time role keeps its own): one its observer does not take is not dropped in silence,
@@ -48,6 +47,7 @@ def test_a_kv_roles_own_option_is_kept_whole_under_auto():
     model, batches = llama()
     with pytest.raises(ValueError, match=r"self_attn' key: observer 'minmax'.*'percentile'"):
         calibrate(model, batches, Recipe((), kv_cache=kv).with_observer("auto"), progress=False)
+
 
 def test_an_option_the_kv_cache_alone_does_not_take_is_refused():
     # no rule: the KV cache's min-max is the only observer, and it takes no percentile

@@ -204,7 +204,6 @@ def test_seed_generation_returns_the_same_qparams():
     assert torch.equal(scale, qp["scale"]) and torch.equal(zp, qp["zero_point"])
 
 
-
 def _legacy(name="memoryless_minmax", **fields):
     return legacy.Observer.load_from_registry(name, base_name="weight", args=fields)
 
@@ -315,7 +314,6 @@ def test_registered_names_are_compressed_tensors_standardized():
     for spelling in ("memoryless_minmax", "memoryless-minmax", "Memoryless MinMax"):
         obs = lc.Observer.load_from_registry(spelling, base_name="input", args=dict(INT8))
         assert type(obs) is lc.MemorylessMinMaxObserver
-
 
 
 def _fresh_registry():

@@ -13,6 +13,7 @@ from quantscope._checks import check_ranges
 def _check_finite(lo, hi, global_amax, finite=True):
     check_ranges("qparams_from_range", lo, hi, global_amax, finite)
 
+
 TINY = 1.401298464324817e-45  # float32's smallest subnormal
 FINITE = "lo and hi must be finite"
 ORDER = "lo must be <= hi"

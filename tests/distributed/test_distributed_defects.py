@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
 
-
 def _scales(cal) -> dict:
     return {(layer, role): (st.observer, st.qparams.scale.clone())
             for layer, roles in cal.states.items() for role, st in roles.items()

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.dist
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
 
-
 def _synced_range(r):
     """A good sync after a failed one: the ranks are still in step (no pending collective)."""
     obs = quantscope.get_observer("static_minmax", QuantSpec())

@@ -27,7 +27,6 @@ pytestmark = [pytest.mark.dist, pytest.mark.extended]  # spawns its own process 
 TIMEOUT = 20  # seconds a collective waits for a peer; the spawn gets a few times that
 
 
-
 def _x(seed, shape, shift=0.0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) + shift
 

@@ -238,7 +238,6 @@ def test_experts_under_other_names_are_named_in_the_error(tmp_path):
         Calibration.from_compressed_tensors(tmp_path / "ct")
 
 
-
 def test_experts_of_one_block_read_back_their_block_scales(tmp_path):
     """An FP8_BLOCK checkpoint (llm-compressor's) whose expert weights are one 128 x 128 block
     each: the gate and up halves' block scales hold one value each, a row of blocks that is

@@ -21,7 +21,6 @@ needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 MISSING = "qs-no-such-cc-s37"  # a $CC program on no PATH
 
 
-
 def _said(name="int_qparams", **kw) -> str:
     """The one warning that loading ``name`` gives (it must give one, and no library)."""
     with pytest.warns(kernels.KernelWarning) as record:

@@ -16,7 +16,6 @@ CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
 
 
-
 def _nan_range_reported() -> bool:
     """``qs_int_qparams`` on a range holding NaN says so (returns 1)."""
     lib = kernels.lib("int_qparams")

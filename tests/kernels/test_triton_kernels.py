@@ -165,7 +165,6 @@ def test_grouped_unit_minmax_one_launch_over_mixed_shapes(device, dtype, aligned
     assert all(o.untyped_storage().nbytes() == o.numel() * 4 for o in outs)
 
 
-
 def test_grouped_descriptors_go_up_without_a_blocking_copy():
     """The descriptors reach the device by a non-blocking copy (a blocking one makes PyTorch
     synchronize the stream: the host would wait for the GPU at every grouped launch); the
@@ -203,6 +202,7 @@ def test_grouped_launch_loads_16_bytes_only_where_every_tensor_allows():
     assert minmax._vector_width([torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64]]) == 1
 
 # ---- integer fake-quant --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int4", symmetric=False),
@@ -923,6 +923,7 @@ def test_hist_regrid_a_width_growing_past_2_to_the_63(device, absolute):
     tri.regrid_(*got, lo.to(device), hi.to(device), absolute, block=16)
     _assert_same_state(got, want)
     assert torch.equal(want.counts.sum(1), state.counts.sum(1))
+
 
 def test_hist_regrid_constants_are_the_histograms():
     from quantscope.kernels.triton import histogram as tri

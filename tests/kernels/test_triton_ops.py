@@ -106,6 +106,7 @@ def _cases(device="cpu"):
                                          lo, hi, "int8_narrow", "even", 50, -1, False, False,
                                          False, w)),
     }
+
     def to(a):
         if isinstance(a, list):
             return [to(t) for t in a]

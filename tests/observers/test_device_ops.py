@@ -281,6 +281,7 @@ def test_histogram_update_off_the_cpu_leaves_the_state_unless_inplace(inplace):
     assert seen.calls["quantscope.hist_regrid_"] == 1
     assert seen.calls.get("aten.clone", 0) == (0 if inplace else 5)
 
+
 @pytest.mark.parametrize("name", ["histogram", "percentile", "kl"])
 def test_histogram_reads_bf16_units_as_they_are(name):
     """Off the CPU the native grid's ops read bf16 units exactly: no float32 copy of the

@@ -188,7 +188,6 @@ def test_each_state_its_own_memory(grouped_on_cpu):
     assert all(torch.equal(loaded[k], v) for k, v in states.items())
 
 
-
 def test_a_launchs_time_is_shared_by_elements(monkeypatch):
     """Each pair is charged its share of a grouped launch by its elements (a clock that moves
     only while the launch runs: 70 ticks over 10 + 20 + 40 elements)."""
@@ -206,6 +205,7 @@ def test_a_launchs_time_is_shared_by_elements(monkeypatch):
     assert observe_many(list(zip(obs, xs))) == [10.0, 20.0, 40.0]
 
 # ---- errors -------------------------------------------------------------------------------
+
 
 def test_bad_input_raises_as_forward_before_anything_is_observed():
     obs = _observers(device="meta")

@@ -139,7 +139,6 @@ def test_observing_inside_inference_mode_is_unchanged():
         assert obs.min_vals is before
 
 
-
 @pytest.mark.parametrize("fmt, symmetric", [("int8", False), ("int4", True), ("fp8_e4m3", True)])
 @pytest.mark.parametrize("name", ["mse", "memoryless_mse", "static_minmax", "memoryless_minmax"])
 def test_tile_cut_to_a_short_dim_scores_the_rows_blocks(name, fmt, symmetric):

@@ -117,6 +117,7 @@ def _kv_column(report: dict, headers: list[str], rows: list[list]):
     runs = list(report["runs"].values())
     if not any(run.get("kv_cache") for run in runs):
         return headers, rows
+
     def cell(run):
         kv = run.get("kv_cache") or []
         specs = ", ".join(dict.fromkeys(r["spec"] for r in kv))

@@ -305,7 +305,6 @@ def _indivisible(rec, model, policy: str):
                      f"in float")
 
 
-
 def float_note(rec, model) -> str:
     """Which modules the ignore list left in float (a short list); with no rule, every layer."""
     if not rec.rules:

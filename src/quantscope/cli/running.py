@@ -239,7 +239,6 @@ def command_inputs(args) -> list:
                         getattr(args, "recipe_file", None)) if p]
 
 
-
 def calibration_options(args, candidates=None) -> dict:
     """The option objects of ``calibrate`` / ``calibrate_many`` the flags describe
     (:mod:`quantscope.calibration.options`), as keywords; ``candidates``: auto's observers."""

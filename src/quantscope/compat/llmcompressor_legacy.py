@@ -68,6 +68,7 @@ __all__ = [
     "llmcompressor_spec",
 ]
 
+
 class Observer:
     """llm-compressor's observer base (a mixin: put it before the native class).
 

@@ -39,6 +39,7 @@ __all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserv
            "StateShapeError", "UnsupportedElementError", "UnsupportedInputError",
            "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
 
+
 class QuarkObserver(SavesNoState):
     """Mixin (put it before the native class): a Quark qspec in, Quark's qparams out; no key
     in a state_dict, as Quark's (its buffers are non-persistent: :class:`SavesNoState`).

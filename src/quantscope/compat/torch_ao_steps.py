@@ -22,6 +22,7 @@ from ..stats.histogram import Hist
 __all__ = ["NoBinsError", "NonFiniteBatchError", "StateOverflowError", "binned", "eager_search",
            "observe_fast", "observe_tensors"]
 
+
 class NonFiniteBatchError(ValueError, RuntimeError):
     """A batch :class:`HistogramObserver` cannot bin (NaN): a ``RuntimeError`` as torch.ao's
     (``torch.histc``'s), and a ``ValueError`` as quantscope's bad-input errors."""

@@ -122,8 +122,6 @@ def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     return err, qp.scale.expand_as(lo_c), zp
 
 
-
-
 class _State:
     """Per-unit search state; :meth:`step` applies one candidate to all units or a subset."""
 

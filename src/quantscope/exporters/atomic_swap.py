@@ -136,9 +136,6 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
-
-
-
 def read_unchanged(folder: str, who: str, read):
     """``read()`` (which reads files of ``folder`` by path), from one version of the folder.
 

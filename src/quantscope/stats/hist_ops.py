@@ -34,6 +34,7 @@ from .minmax import MINMAX_DTYPES
 
 __all__ = ["hist_add", "hist_regrid_"]
 
+
 def _check_counts(who: str, counts: Tensor) -> int:
     """The number of units of ``counts``, or the ``ValueError``: a contiguous int64
     ``[units, bins]`` tensor with at least one bin (with none the C kernel's last bin, -1,

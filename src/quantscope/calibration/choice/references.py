@@ -48,7 +48,6 @@ def summary(out, mask):
     return ("cos", torch.nn.functional.normalize(rows, dim=-1))
 
 
-
 class FloatOutputs:
     """Catches, during the calibration pass (a float forward of every batch), the summaries
     :class:`.auto.OutputDivergence` compares for the scoring pieces: their float references need

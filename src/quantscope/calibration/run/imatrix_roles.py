@@ -23,6 +23,7 @@ from .observe import observe_weights, observer_key, unique_slots, waits_for_impo
 
 __all__ = ["gather", "held", "observe_waiting", "unweighted"]
 
+
 def _imatrix_slots(slots) -> list:
     """The weight slots with an observer that waits for importance, on every rank (a rank
     observes only the weights it owns: ``slot.waiting`` is empty elsewhere)."""

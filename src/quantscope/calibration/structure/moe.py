@@ -371,8 +371,6 @@ def _list_layers(name: str, items):
                 yield f"{name}.{key}.{sub}" if sub else f"{name}.{key}", e
 
 
-
-
 def _rule(n: int, min_tokens: int, all_experts: bool) -> tuple[float, str]:
     if all_experts:
         return 1.0, "all tokens (all_experts)"
