@@ -148,7 +148,7 @@ def test_device_path_qparams_equal_the_cpu_observer(layout, monkeypatch):
     x = _x(shape, torch.bfloat16, seed=3)
     cpu = quantscope.get_observer("minmax", spec)
     cpu(x)
-    off_cpu = lambda t, lay: minmax_layouts._op_layout_minmax(t, lay)
+    off_cpu = lambda t, lay, *_: minmax_layouts._op_layout_minmax(t, lay)
     monkeypatch.setattr(minmax_layouts, "layout_minmax", off_cpu)
     monkeypatch.setattr(quantscope.observers.base, "layout_minmax", off_cpu)
     dev = quantscope.get_observer("minmax", spec)

@@ -71,6 +71,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "unit_minmax": {
         "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT, _INT],
         "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT],
+        "qs_actorder_minmax": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _INT, _INT],
     },
     "hist_kernel": {
         "qs_hist_bin": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT],

@@ -139,7 +139,8 @@ class Observer(nn.Module):
         small = x_read.is_cpu and x_read.numel() < KERNEL_MIN_NUMEL
         fast = None
         if minmax_only and self.unpads and not small:  # (its padded units: real values')
-            fast = layout_minmax(x_read, layout)  # min / max straight from x, no units copy
+            # min / max straight from x, no units copy (into this call's pair where it can)
+            fast = layout_minmax(x_read, layout, self._minmax_out)
         units = None if fast is not None else layout.to_units(x_read)
         units = units.contiguous() if small else units
         count = units.shape[0] if fast is None else fast[0].shape[0]

@@ -1,9 +1,9 @@
 """Per-unit min / max read straight from ``x`` under a layout, where its units are no row
 view of ``x`` (a channel axis after the first, groups or blocks along an axis before the last,
-tiles), or ``x`` is a dense permuted view (a transposed matrix, channels_last), without the
-copy ``layout.to_units`` would make; and the
-padded units' real min / max. The reductions are :mod:`.minmax`'s (its C kernel on the CPU, the
-op ``quantscope::unit_minmax`` off it)."""
+tiles, activation-order groups: :mod:`.minmax_actorder`), or ``x`` is a dense permuted view
+(a transposed matrix, channels_last), without the copy ``layout.to_units`` would make; and
+the padded units' real min / max. The reductions are :mod:`.minmax`'s (its C kernel on the
+CPU, the op ``quantscope::unit_minmax`` off it)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .minmax import (
     op_units,
     unit_minmax,
 )
+from .minmax_actorder import actorder_minmax
 
 __all__ = ["column_minmax", "layout_minmax", "memory_order", "unpad_minmax_"]
 
@@ -61,23 +62,29 @@ def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor)
                           work.data_ptr(), threads, code)
 
 
-def layout_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def layout_minmax(x: torch.Tensor, layout, out_for=None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-unit ``(lo, hi)`` (float32) of ``x`` under ``layout`` without a float32 copy of
     its units.
 
     On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view
     of ``x`` (a channel axis other than the first, groups or blocks along an axis before the
-    last, tiles), the C kernel's reductions over reshapes of ``x`` itself; for a dense ``x``
-    that is not contiguous (``w.t()``, channels_last), every layout but activation-order
-    groups, tokens and blocks with a padded tail, the same over ``x``'s memory in its own order
+    last, tiles), the C kernel's reductions over reshapes of ``x`` itself; activation-order
+    groups by their own pass over ``x`` (:mod:`.minmax_actorder`, a strided ``x`` too); for a
+    dense ``x`` that is not contiguous (``w.t()``, channels_last), every other layout but
+    tokens and blocks with a padded tail, the same over ``x``'s memory in its own order
     (:func:`memory_order`). Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
     ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
     dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
-    no such path here, build the units instead.
+    no such path here, build the units instead. ``out_for(U)``: two ``[U]`` float32 tensors
+    to write into (an observer's ``_minmax_out``), which the act-order pass asks for and
+    takes where they fit (the other paths make new ones).
     """
     if x.device.type != "cpu":  # (padded units: the units path takes their zeros out)
         return None if layout.pads_at(x.shape) else _op_layout_minmax(x, layout)
+    if getattr(layout, "g_idx", None) is not None:  # act-order groups: their own pass
+        return actorder_minmax(x, layout, out_for)
     if not x.is_contiguous():  # a permuted view (w.t(), channels_last): the memory it views
         return _permuted_minmax(x, layout)
     if isinstance(layout, TensorLayout) or not _use_kernel(x) or _kernel() is None:

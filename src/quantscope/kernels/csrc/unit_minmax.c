@@ -453,3 +453,249 @@ int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi
     ends[1] = h;
     return 0;
 }
+
+/* ---- activation-order groups, read in place (quantscope.stats.minmax_actorder) ---------- */
+
+#include <stdlib.h>
+
+/* Group(E, g_idx) of an [R, C] matrix at x, strides rs / cs (elements): unit u = r * G + g
+   (G = C / E) holds x[r, perm[g * E + k]], k < E, perm the stable argsort of g_idx. */
+typedef struct {
+    const char *x; int dt; int64_t R, C, rs, cs, E, G; const int64_t *perm; float *lo, *hi;
+} agroups_t;
+
+/* The units a permuted copy's row kernel reduces together, from its share's start: float32
+   in runs of 4 (rows4's quads), bf16 / fp16 in rows_of()'s widening pieces of PIECE / E
+   units, longer units one at a time. */
+static int64_t chunk(int dt, int64_t E) {
+    int64_t k = E <= PIECE ? PIECE / E : 1;
+    if (dt == QS_F32 && E <= 64 && k >= 4) k -= k % 4;
+    return k;
+}
+
+/* Units [u, u + n) in their permuted order into buf (the input's type): the rows a permuted
+   copy would hold, gathered from their rows in cache. */
+__attribute__((optimize("no-tree-vectorize"))) /* (a vector gather is the slower here) */
+static void gather(const agroups_t *a, int64_t u, int64_t n, void *buf) {
+    const int64_t E = a->E;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = (u + i) / a->G, *p = a->perm + (u + i) % a->G * E, cs = a->cs;
+        if (a->dt == QS_F32) {
+            const float *s = (const float *)a->x + r * a->rs;
+            float *d = (float *)buf + i * E;
+            if (cs == 1) for (int64_t k = 0; k < E; ++k) d[k] = s[p[k]];
+            else for (int64_t k = 0; k < E; ++k) d[k] = s[p[k] * cs];
+        } else {
+            const uint16_t *s = (const uint16_t *)a->x + r * a->rs;
+            uint16_t *d = (uint16_t *)buf + i * E;
+            if (cs == 1) for (int64_t k = 0; k < E; ++k) d[k] = s[p[k]];
+            else for (int64_t k = 0; k < E; ++k) d[k] = s[p[k] * cs];
+        }
+    }
+}
+
+/* Units [u0, u1) as the row kernel reduces a permuted copy's share that starts at u0, chunk
+   by chunk (chunk()), each gathered into buf first (chunk() units of the input's type): the
+   same lanes meet the same values, so its min / max bit for bit, NaN and the sign of a zero
+   that ties included. */
+static void exact(const agroups_t *a, int64_t u0, int64_t u1, void *buf) {
+    const int64_t k = chunk(a->dt, a->E);
+    ends_t e = {INFINITY, -INFINITY, 0};  /* (unused: forward derives the ends) */
+    for (int64_t u = u0; u < u1; u += k) {
+        const int64_t n = u1 - u < k ? u1 - u : k;
+        gather(a, u, n, buf);
+        rows_of(buf, a->dt, a->E, 0, n, a->lo + u, a->hi + u, &e, 0);
+    }
+}
+
+static void *chunk_buffer(const agroups_t *a) {
+    return malloc((size_t)(chunk(a->dt, a->E) * a->E * (a->dt == QS_F32 ? 4 : 2)));
+}
+
+typedef struct { const agroups_t *a; int64_t u0, u1; } ajob_t;
+
+static void *arun(void *p) {  /* exact() of a share; non-NULL: no memory */
+    ajob_t *j = (ajob_t *)p;
+    void *buf = chunk_buffer(j->a);
+    if (!buf) return p;
+    exact(j->a, j->u0, j->u1, buf);
+    free(buf);
+    return NULL;
+}
+
+/* Units the fast pass left undone or unsure, again by exact(), each with its whole chunk
+   of the share qs_unit_minmax would give it on `threads`: every unit of rows [rows, R), and
+   any whose min or max is a zero (its sign depends on the order the values meet) or NaN
+   (a block of rows that held one). Returns 0, or 1 without memory. */
+static int redo(const agroups_t *a, int64_t rows, int threads) {
+    const int64_t U = a->R * a->G, k = chunk(a->dt, a->E);
+    void *buf = NULL;
+    int t = 0;
+    for (int64_t u = 0; u < U; ++u) {
+        if (u < rows * a->G) {  /* (rows past them: nothing written yet) */
+            const float l = a->lo[u], h = a->hi[u];
+            if (l != 0 && h != 0 && l == l) continue;
+        }
+        if (!buf && !(buf = chunk_buffer(a))) return 1;
+        while (U * (t + 1) / threads <= u) ++t;
+        const int64_t s0 = U * t / threads, s1 = U * (t + 1) / threads;
+        const int64_t c0 = s0 + (u - s0) / k * k, c1 = c0 + k < s1 ? c0 + k : s1;
+        exact(a, c0, c1, buf);
+        u = c1 - 1;
+    }
+    free(buf);
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* The fast pass: 8 rows at a time, one vector lane a row, every column's 8 values folded
+   into its group's running min / max (a column's group from a table), so each element is
+   read once, in memory order; exact but for the sign of a zero min / max (the order differs
+   from the row kernel's: redo() takes those units, and blocks that hold NaN, again). */
+typedef struct { const agroups_t *a; const int32_t *grp; int64_t b0, b1; } vjob_t;
+
+#define TRANSPOSE8(r0, r1, r2, r3, r4, r5, r6, r7) do {                                    \
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);               \
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);               \
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);               \
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);               \
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);     \
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);     \
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);     \
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);     \
+    r0 = _mm256_permute2f128_ps(s0, s4, 0x20); r1 = _mm256_permute2f128_ps(s1, s5, 0x20);  \
+    r2 = _mm256_permute2f128_ps(s2, s6, 0x20); r3 = _mm256_permute2f128_ps(s3, s7, 0x20);  \
+    r4 = _mm256_permute2f128_ps(s0, s4, 0x31); r5 = _mm256_permute2f128_ps(s1, s5, 0x31);  \
+    r6 = _mm256_permute2f128_ps(s2, s6, 0x31); r7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
+} while (0)
+
+/* 8 values of type dt at p as float32 (exact, as widen()). */
+static inline __m256 load8(const char *p, int dt) {
+    if (dt == QS_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == QS_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline float load1(const char *p, int dt) {
+    float f;
+    if (dt == QS_F32) memcpy(&f, p, 4);
+    else widen((const uint16_t *)p, dt, 1, &f);
+    return f;
+}
+
+/* The running min / max of the group at L / H (8 lanes: the block's rows) take v in. */
+static inline void fold8(float *L, float *H, __m256 v) {
+    _mm256_storeu_ps(L, _mm256_min_ps(_mm256_loadu_ps(L), v));
+    _mm256_storeu_ps(H, _mm256_max_ps(_mm256_loadu_ps(H), v));
+}
+
+/* One block of 8 rows at x (rs, cs: bytes) into L / H ([G][8]); returns whether it held
+   NaN. Rows of contiguous columns: 8 x 8 tiles transposed; else (rs of one element) each
+   column's 8 rows are one load. */
+static int block8(const agroups_t *a, const int32_t *grp, const char *x, int64_t rs,
+                  int64_t cs, float *L, float *H) {
+    const int dt = a->dt;
+    __m256 any = _mm256_setzero_ps();
+    int64_t c = 0;
+    if (a->cs == 1) {
+        for (; c + 8 <= a->C; c += 8) {
+            const char *p = x + c * cs;
+            __m256 v0 = load8(p, dt), v1 = load8(p + rs, dt), v2 = load8(p + 2 * rs, dt);
+            __m256 v3 = load8(p + 3 * rs, dt), v4 = load8(p + 4 * rs, dt);
+            __m256 v5 = load8(p + 5 * rs, dt), v6 = load8(p + 6 * rs, dt);
+            __m256 v7 = load8(p + 7 * rs, dt);
+            /* (an unordered compare of two finds NaN in either) */
+            const __m256 n01 = _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q);
+            const __m256 n23 = _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q);
+            const __m256 n45 = _mm256_cmp_ps(v4, v5, _CMP_UNORD_Q);
+            const __m256 n67 = _mm256_cmp_ps(v6, v7, _CMP_UNORD_Q);
+            any = _mm256_or_ps(any, _mm256_or_ps(_mm256_or_ps(n01, n23), _mm256_or_ps(n45, n67)));
+            TRANSPOSE8(v0, v1, v2, v3, v4, v5, v6, v7);
+            const int32_t *g = grp + c;
+            fold8(L + g[0] * 8, H + g[0] * 8, v0); fold8(L + g[1] * 8, H + g[1] * 8, v1);
+            fold8(L + g[2] * 8, H + g[2] * 8, v2); fold8(L + g[3] * 8, H + g[3] * 8, v3);
+            fold8(L + g[4] * 8, H + g[4] * 8, v4); fold8(L + g[5] * 8, H + g[5] * 8, v5);
+            fold8(L + g[6] * 8, H + g[6] * 8, v6); fold8(L + g[7] * 8, H + g[7] * 8, v7);
+        }
+        int nan = 0;
+        for (; c < a->C; ++c)  /* the last columns, each row's value alone */
+            for (int i = 0; i < 8; ++i) {
+                const float v = load1(x + c * cs + i * rs, dt);
+                float *l = L + grp[c] * 8 + i, *h = H + grp[c] * 8 + i;
+                *l = v < *l ? v : *l;
+                *h = v > *h ? v : *h;
+                nan |= v != v;
+            }
+        return nan || _mm256_movemask_ps(any);
+    }
+    for (; c < a->C; ++c) {
+        const __m256 v = load8(x + c * cs, dt);
+        any = _mm256_or_ps(any, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        fold8(L + grp[c] * 8, H + grp[c] * 8, v);
+    }
+    return _mm256_movemask_ps(any);
+}
+
+static void *vrun(void *p) {  /* blocks [b0, b1) of 8 rows; non-NULL: no memory */
+    vjob_t *j = (vjob_t *)p;
+    const agroups_t *a = j->a;
+    const int64_t G = a->G, size = a->dt == QS_F32 ? 4 : 2;
+    float *L = malloc((size_t)G * 16 * sizeof(float)), *H = L + G * 8;
+    if (!L) return p;
+    for (int64_t b = j->b0; b < j->b1; ++b) {
+        for (int64_t i = 0; i < G * 8; ++i) { L[i] = INFINITY; H[i] = -INFINITY; }
+        const int bad = block8(a, j->grp, a->x + b * 8 * a->rs * size, a->rs * size,
+                               a->cs * size, L, H);
+        float *lo = a->lo + b * 8 * G, *hi = a->hi + b * 8 * G;
+        for (int64_t g = 0; g < G; ++g)
+            for (int i = 0; i < 8; ++i) {  /* NaN: redo() finds the block's true values */
+                lo[i * G + g] = bad ? NAN : L[g * 8 + i];
+                hi[i * G + g] = bad ? NAN : H[g * 8 + i];
+            }
+    }
+    free(L);
+    return NULL;
+}
+
+/* The fast pass over the whole blocks of 8 rows, on up to `threads`; returns the rows it
+   did (0: none, it does not apply, or no memory). */
+static int64_t fast_pass(const agroups_t *a, int threads) {
+    const int64_t blocks = a->R / 8;
+    if (!blocks || (a->cs != 1 && a->rs != 1)) return 0;
+    int32_t *grp = malloc((size_t)a->C * sizeof(int32_t));
+    if (!grp) return 0;
+    for (int64_t k = 0; k < a->C; ++k) grp[a->perm[k]] = (int32_t)(k / a->E);
+    if (threads > blocks) threads = (int)blocks;
+    vjob_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
+        jobs[t] = (vjob_t){a, grp, blocks * t / threads, blocks * (t + 1) / threads};
+    const int bad = qs_run_jobs(vrun, jobs, sizeof jobs[0], threads);
+    free(grp);
+    return bad ? 0 : blocks * 8;
+}
+#else
+static int64_t fast_pass(const agroups_t *a, int threads) { (void)a; (void)threads; return 0; }
+#endif
+
+/* Per-unit min / max of Group(E, g_idx) over [R, C] of element type dt (see agroups_t),
+   bit for bit the row kernel's on the permuted copy, on `threads` (the copy's count,
+   whose split into shares decides how its units are grouped). Returns 0, or -1 (bad
+   sizes), -2 (no memory: the caller copies instead). */
+int64_t qs_actorder_minmax(const void *x, int64_t R, int64_t C, int64_t rs, int64_t cs,
+                           const int64_t *perm, int64_t E, float *lo, float *hi, int threads,
+                           int dt) {
+    if (E < 1 || C % E || R < 0) return -1;
+    if (threads > QS_MAXT) threads = QS_MAXT;
+    if (threads < 1) threads = 1;
+    const agroups_t a = {(const char *)x, dt, R, C, rs, cs, E, C / E, perm, lo, hi};
+    const int64_t rows = fast_pass(&a, threads);
+    if (rows)
+        return redo(&a, rows, threads) ? -2 : 0;
+    const int64_t U = R * (C / E);
+    ajob_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
+        jobs[t] = (ajob_t){&a, U * t / threads, U * (t + 1) / threads};
+    return qs_run_jobs(arun, jobs, sizeof jobs[0], threads) ? -2 : 0;
+}
