@@ -48,7 +48,12 @@ must fit its arguments (else a ``ValueError`` naming the field).
 
 Both are observers too: ``forward`` / ``qparams()`` run the native observer (the histogram's
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
-``"modelopt:HistogramCalibrator"``. As ModelOpt's calibrators (plain objects), they save and
+``"modelopt:HistogramCalibrator"``. ``forward(x)`` is ``collect(x)`` without the checks that
+read values on the host: the same state (``MaxCalibrator``: the same view by ``axis``, amax
+shape and dtype; ``track_amax`` tracks it too), so ``compute_amax()``, a copy and a pickle read
+it; it takes the floating-point tensors the native observer takes (integers:
+``collect``), and NaN / inf there is recorded and refused by ``qparams()`` /
+``compute_amax()`` (a ``ValueError``), as every observer's. As ModelOpt's calibrators (plain objects), they save and
 load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
 ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole (``torch.save``), they
 load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are torch safe
@@ -213,24 +218,49 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             self.check_input(x)  # its TypeError names what x is (before _view reads x.dim())
         if x.is_meta:
             return self._collect_meta(x)
+        x = _upcast(x)
+        view, shape = self._shaped_view(x)
+        self._check_values(x)
+        self._step(x, view, shape)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The native observer's step (module doc): ``x`` viewed and kept as :meth:`collect`
+        keeps it, so ``compute_amax``, a copy and a pickle read it; without collect's checks,
+        which read values on the host (NaN / inf is recorded, and refused by ``qparams()`` /
+        ``compute_amax()``), and only on the floating-point tensors the native observer takes.
+        Not marked ``only_observes``: the grouped path's per-layout min / max would skip the
+        view and the bookkeeping. Returns ``x``."""
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()) \
+                or x.is_meta:  # the native path refuses it, or observes nothing (empty)
+            return super().forward(x)
+        x = _upcast(x)
+        self._step(x, *self._shaped_view(x))
+        return x
+
+    def _shaped_view(self, x: torch.Tensor):
+        """``(x's float values as the layout's input, ModelOpt's amax shape)``; a shape other
+        than the batches' before is ModelOpt's ``RuntimeError`` (as is data after a meta
+        batch)."""
         if self._meta_amax is not None:  # ModelOpt: its meta amax and the batch's clash
             raise RuntimeError("modelopt MaxCalibrator: a meta tensor was collected (ModelOpt's "
                                "initialization); reset() before collecting data")
-        x = _upcast(x)
         view, shape = self._view(_float_values(x))
-        self._check_values(x)
         shape = _squeezed(shape)
         if self._amax_shape is not None and shape != self._amax_shape:
             raise RuntimeError("amax shape changed!")  # ModelOpt's words
-        # every check before the state changes: a refused batch leaves it as it was
+        return view, shape
+
+    def _step(self, x: torch.Tensor, view: torch.Tensor, shape: tuple) -> None:
+        """The native step on ``view``, then ModelOpt's record of ``x`` (collect and forward;
+        every check before the state changes: a refused batch leaves it as it was)."""
         tracked = self._batch_amax(view, shape, x.dtype) if self._track_amax else None
-        self(view)
+        super().forward(view)
         self._amax_shape, self._ndim = shape, x.dim()
         # ModelOpt's torch.max(amax, batch amax) promotes: float32 then fp16 stays float32
         self._dtype = torch.promote_types(self._dtype or x.dtype, x.dtype)
         if tracked is not None:
             self._amaxs.append(tracked)
-        return None
 
     def _batch_amax(self, view: torch.Tensor, shape: tuple, dtype):
         # as ModelOpt's amaxs: numpy in the batch's dtype (bf16, which numpy lacks: float32)
@@ -257,6 +287,7 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
             return self._meta_amax
         if self._amax_shape is None:
             return None
+        self.check_ready()  # NaN / inf a forward recorded (collect refuses it at once)
         return self._shaped(amax_of_range(self.min_vals, self.max_vals), self._dtype,
                             self._amax_shape)
 
