@@ -9,7 +9,10 @@ per underlying implementation, one that passes key and value through a callback 
 runs the original (with the original's mask function), and points the attention modules'
 configs at it until the returned undo is called. Calibration observes through the
 callback (roles ``"key"`` / ``"value"`` of the attention module); ``apply()``
-fake-quantizes through it.
+fake-quantizes through it. The routed function finds each call's callback by its module, so
+models built on one config object (``from_config(a.config)``) route it once, each reaching
+its own callbacks (a module attached to no callback runs the original): the config is
+restored when the last of their attachments detaches.
 
 Attention modules are found as transformers builds them: a module with a ``k_proj``,
 ``v_proj`` or ``qkv_proj`` child (one is enough: Gemma 4's ``attention_k_eq_v`` layers have
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -47,6 +51,12 @@ _PROJECTIONS = ("k_proj", "v_proj", "qkv_proj")
 #: (the callbacks hold role states, never the module)
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Callable[[str, torch.Tensor], torch.Tensor]] = \
     weakref.WeakKeyDictionary()
+#: routed config's id -> (a weak reference to it, the implementation the user chose last):
+#: one entry per config, whichever models share it (the last to detach restores the choice)
+_CHOSEN: dict[int, tuple[weakref.ref, str | None]] = {}
+#: _ACTIVE's and _CHOSEN's writes and the configs' routing: two threads may attach and detach
+#: models sharing one config (re-entrant: attach routes under it)
+_LOCK = threading.RLock()
 
 
 def check_asked(model: nn.Module, recipes) -> None:
@@ -129,7 +139,6 @@ def attach(model: nn.Module,
         raise ValueError(f"kv cache: {missing} are not attention modules with k_proj, v_proj "
                          f"or qkv_proj run through transformers' attention interface")
     configs = {id(modules[n].config): modules[n].config for n in callbacks}
-    chosen: dict[int, str | None] = {}  # config -> the implementation the user chose (last)
     undo: list[Callable[[], None]] = []
 
     def detach():
@@ -137,48 +146,76 @@ def attach(model: nn.Module,
             undo[-1]()
             undo.pop()
     try:
-        for cfg in configs.values():
-            impl = cfg._attn_implementation or "eager"
-            if impl.startswith(_PREFIX):
-                raise ValueError("kv cache: the model's attention is already routed through "
-                                 "quantscope (QDQ still applied?)")
-            _route(cfg, chosen)
-            undo.append(lambda cfg=cfg: _unroute(cfg, chosen))
-        for name, callback in callbacks.items():
-            module = modules[name]
-            _ACTIVE[module] = callback
-            undo.append(lambda module=module: _ACTIVE.pop(module, None))
+        with _LOCK:
+            taken = sorted(n for n in callbacks if modules[n] in _ACTIVE)
+            if taken:
+                raise ValueError(f"kv cache: attention {taken[0]!r} is already routed through "
+                                 f"quantscope (QDQ still applied, or a calibration running?)")
+            # detach runs these last: a config is restored once no module on it is attached
+            undo.extend(lambda cfg=cfg: _unroute(cfg) for cfg in configs.values())
+            for name, callback in callbacks.items():
+                module = modules[name]
+                _ACTIVE[module] = callback
+                undo.append(lambda module=module: _drop(module))
+            for cfg in configs.values():
+                _route(cfg)
+        for name in callbacks:
             # the user may choose another implementation while routed (transformers'
             # set_attn_implementation): route that one too, before the module runs
-            undo.append(module.register_forward_pre_hook(_Reroute(chosen)).remove)
+            undo.append(modules[name].register_forward_pre_hook(_Reroute()).remove)
     except BaseException:
         detach()
         raise
     return detach
 
 
+def _drop(module: nn.Module) -> None:
+    with _LOCK:
+        _ACTIVE.pop(module, None)
+
+
 class _Reroute:
     """The pre-hook that routes an implementation chosen while attached (an object, not a
     closure: pickling an applied model must reach apply()'s refusal, not fail on it)."""
 
-    def __init__(self, chosen: dict):
-        self.chosen = chosen
-
     def __call__(self, module, args):
-        _route(module.config, self.chosen)
+        if not _routed(module.config):  # (no lock on the common call: routed already)
+            _route(module.config)
 
 
-def _route(cfg, chosen: dict) -> None:
+def _routed(cfg) -> bool:
+    return (cfg._attn_implementation or "").startswith(_PREFIX)
+
+
+def _route(cfg) -> None:
     """Point ``cfg`` at the routed twin of its implementation, unless it names one already,
     remembering the user's choice for :func:`_unroute`."""
-    impl = cfg._attn_implementation
-    if not (impl or "").startswith(_PREFIX):
-        chosen[id(cfg)] = impl
-        cfg._attn_implementation = _register(impl or "eager")
+    with _LOCK:
+        for key in [k for k, (ref, _) in _CHOSEN.items() if ref() is None]:
+            del _CHOSEN[key]  # configs dropped while routed (a QDQ handle never removed)
+        impl = cfg._attn_implementation
+        if not _routed(cfg):
+            _CHOSEN[id(cfg)] = (weakref.ref(cfg), impl)
+            cfg._attn_implementation = _register(impl or "eager")
+        elif _chosen(cfg) is None:  # routed by no attachment (copied from a routed config):
+            _CHOSEN[id(cfg)] = (weakref.ref(cfg), impl[len(_PREFIX):])  # its twin's name
 
 
-def _unroute(cfg, chosen: dict) -> None:
-    """The user's last choice back, where ``cfg`` is still routed (a choice made since the
-    last forward is the user's already)."""
-    if (cfg._attn_implementation or "").startswith(_PREFIX):
-        cfg._attn_implementation = chosen[id(cfg)]
+def _chosen(cfg) -> tuple | None:
+    entry = _CHOSEN.get(id(cfg))
+    return entry if entry is not None and entry[0]() is cfg else None  # (not a dead one's id)
+
+
+def _unroute(cfg) -> None:
+    """The user's last choice back once no attention module on ``cfg`` is attached (another
+    model built on it may be), where ``cfg`` is still routed (a choice made since the last
+    forward is the user's already)."""
+    with _LOCK:
+        if any(getattr(m, "config", None) is cfg for m in list(_ACTIVE.keys())):
+            return
+        entry = _chosen(cfg)
+        if entry is None:  # restored already
+            return
+        del _CHOSEN[id(cfg)]
+        if _routed(cfg):
+            cfg._attn_implementation = entry[1]
