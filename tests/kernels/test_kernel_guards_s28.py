@@ -169,9 +169,9 @@ def test_the_minmax_kernels_return_zero_as_declared(threads):
         assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
         assert ends.tolist() == [ref.min.min().item(), ref.max.max().item()]
     m = torch.randn(257, 33)
-    lo, hi, work = torch.empty(33), torch.empty(33), torch.empty(threads * 3 * 33)
-    rc = lib.qs_col_minmax(m.data_ptr(), 257, 33, lo.data_ptr(), hi.data_ptr(), work.data_ptr(),
-                           threads, 0)
+    lo, hi, work = torch.empty(33), torch.empty(33), torch.empty(threads * 5 * 33)
+    rc = lib.qs_col_minmax(m.data_ptr(), 1, 257, 33, lo.data_ptr(), hi.data_ptr(),
+                           work.data_ptr(), threads, threads, 1, 0)
     ref = torch.aminmax(m, dim=0)
     assert rc == 0
     assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)

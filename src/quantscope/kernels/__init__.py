@@ -70,7 +70,7 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 SIGNATURES: dict[str, dict[str, list]] = {
     "unit_minmax": {
         "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT, _INT],
-        "qs_col_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT],
+        "qs_col_minmax": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT, _I, _INT],
         "qs_actorder_minmax": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _INT, _INT],
     },
     "hist_kernel": {

@@ -47,19 +47,20 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
-def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   group: int = 1) -> None:
     """The C column reduction of every slab of a contiguous ``slabs [runs, R >= 2, C]`` (a
-    kernel dtype) into the rows of ``lo`` / ``hi`` (contiguous float32 ``[runs, C]``): one
-    call a slab, at pointers computed here (a view per slab cost more than a small one's
-    reduction: a 1024 x 1024 ``w.t()``'s 32 blocks, found by probing)."""
+    kernel dtype) in one call, into contiguous float32 ``lo`` / ``hi`` of ``runs * C``
+    elements in the units' order: slab ``l * group + g``'s column ``c`` at ``(l * C + c) *
+    group + g`` (``group=1``: ``[runs, C]``). The threads take whole slabs where there are
+    several. Each slab's rows are cut into the shares one slab's threads would take,
+    whatever threads run it: the sign of a zero min / max (where -0.0 and +0.0 tie) follows
+    that cut alone (csrc/unit_minmax.c)."""
     runs, R, C = slabs.shape
-    threads = _threads(R * C, R)
-    work = torch.empty(threads * 3 * C, dtype=torch.float32)
-    x, step, out = slabs.data_ptr(), R * C * slabs.element_size(), C * lo.element_size()
-    lo_at, hi_at, code = lo.data_ptr(), hi.data_ptr(), KERNEL_DTYPES[slabs.dtype]
-    for i in range(runs):
-        lib.qs_col_minmax(x + i * step, R, C, lo_at + i * out, hi_at + i * out,
-                          work.data_ptr(), threads, code)
+    shares, threads = _threads(R * C, R), _threads(runs * R * C, runs * R)
+    work = torch.empty(threads * 5 * C, dtype=torch.float32)  # (csrc: 5C floats a thread)
+    lib.qs_col_minmax(slabs.data_ptr(), runs, R, C, lo.data_ptr(), hi.data_ptr(),
+                      work.data_ptr(), threads, shares, group, KERNEL_DTYPES[slabs.dtype])
 
 
 def layout_minmax(x: torch.Tensor, layout, out_for=None
@@ -156,11 +157,11 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
     runs = lead * (n // size)
     if a == x.dim() - 1 or n % size or size < 2 or trail < 16 or runs > MAX_SEGMENT_RUNS:
         return None  # units are rows of x already, a padded tail (zeros), or small slabs
-    lo, hi = kernels.buffer(runs, trail), kernels.buffer(runs, trail)
-    # one C call per run: torch's amin / amax over the view take 2.4x
-    _column_kernel(_kernel(), x.view(runs, size, trail), lo, hi)
-    unit_order = lambda t: t.view(lead, n // size, trail).transpose(1, 2).reshape(-1)
-    return unit_order(lo), unit_order(hi)
+    lo, hi = kernels.buffer(runs * trail), kernels.buffer(runs * trail)
+    # the kernel puts them in the units' order (torch's amin / amax over the view took 2.4x
+    # the kernel's time, and a transpose of its [runs, trail] results up to 2x)
+    _column_kernel(_kernel(), x.view(runs, size, trail), lo, hi, group=n // size)
+    return lo, hi
 
 
 def memory_order(x: torch.Tensor) -> list[int] | None:

@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -251,24 +252,38 @@ static void rows_of(const void *x, int dt, int64_t E, int64_t u0, int64_t u1, fl
     }
 }
 
+/* The column kernel (qs_col_minmax): per-column min / max of [R, C] slabs, NaN propagated.
+   Each slab's rows are cut into `shares` row shares (as that many threads once split them);
+   the results of one share are its last tying value (+0.0 / -0.0) in the vector columns and
+   its first in the scalar ones (the last C % 8), and the shares merge in order, the first
+   winning a tie: the sign of a zero min / max depends on that cut and on nothing else (not
+   on the threads that run it), as it always has. */
+
+/* A slab's running per-column results: lo / hi / a NaN mask (non-zero: the column held
+   one), those of the share being read where earlier shares' are in lo / hi (share_lo /
+   share_hi), and where one thread does the whole slab, its final lo / hi (NaN where the
+   mask is set) go straight to out_lo / out_hi, units step apart (NULL: the caller merges
+   the threads'). */
+typedef struct {
+    float *lo, *hi; int32_t *nan; float *share_lo, *share_hi, *out_lo, *out_hi; int64_t step;
+} acc_t;
+
+/* The final lo / hi of columns [c0, c1) from the running ones. */
+static void finish(acc_t a, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+        a.out_lo[c * a.step] = a.nan[c] ? NAN : a.lo[c];
+        a.out_hi[c * a.step] = a.nan[c] ? NAN : a.hi[c];
+    }
+}
+
+#if !(defined(__AVX2__) && defined(__F16C__))
 /* Column min / max of rows [r0, r1) of a contiguous [R, C] float32 matrix into lo / hi / nan
-   (length C, initialised by the caller): vertical, so every load is a full vector. */
+   (length C, initialised by the caller), row after row. */
 static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, float *hi,
                  int32_t *nan) {
     for (int64_t r = r0; r < r1; ++r) {
         const float *row = x + r * C;
-        int64_t c = 0;
-#ifdef __AVX2__
-        for (; c + 8 <= C; c += 8) {
-            __m256 v = _mm256_loadu_ps(row + c);
-            _mm256_storeu_ps(lo + c, _mm256_min_ps(_mm256_loadu_ps(lo + c), v));
-            _mm256_storeu_ps(hi + c, _mm256_max_ps(_mm256_loadu_ps(hi + c), v));
-            __m256i u = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            __m256i n = _mm256_loadu_si256((const __m256i *)(nan + c));
-            _mm256_storeu_si256((__m256i *)(nan + c), _mm256_or_si256(n, u));
-        }
-#endif
-        for (; c < C; ++c) {
+        for (int64_t c = 0; c < C; ++c) {
             float v = row[c];
             lo[c] = v < lo[c] ? v : lo[c];
             hi[c] = v > hi[c] ? v : hi[c];
@@ -277,67 +292,333 @@ static void cols(const float *x, int64_t C, int64_t r0, int64_t r1, float *lo, f
     }
 }
 
-/* cols() of any element type: bf16 / fp16 rows widened a piece at a time. */
-static void cols_of(const void *x, int dt, int64_t C, int64_t r0, int64_t r1, float *lo,
-                    float *hi, int32_t *nan) {
-    if (dt == QS_F32) {
-        cols((const float *)x, C, r0, r1, lo, hi, nan);
-        return;
-    }
+/* Shares [k0, k1) of the slab at x into a (no AVX2: every column scalar, so a tie keeps
+   the first value whatever the shares; bf16 / fp16 rows widened a piece at a time, whole
+   rows where they fit in one, else each row piece by piece). */
+static void slab(const void *x, int dt, int64_t R, int64_t C, int64_t S, int64_t k0,
+                 int64_t k1, acc_t a) {
+    const int64_t r0 = R * k0 / S, r1 = R * k1 / S;
     const uint16_t *h = (const uint16_t *)x;
     float buf[PIECE];
-    if (C <= PIECE) {
+    for (int64_t c = 0; c < C; ++c) { a.lo[c] = INFINITY; a.hi[c] = -INFINITY; a.nan[c] = 0; }
+    if (dt == QS_F32) {
+        cols((const float *)x, C, r0, r1, a.lo, a.hi, a.nan);
+    } else if (C <= PIECE) {
         const int64_t k = PIECE / C;
         for (int64_t r = r0; r < r1; r += k) {
             const int64_t n = r1 - r < k ? r1 - r : k;
             widen(h + r * C, dt, n * C, buf);
-            cols(buf, C, 0, n, lo, hi, nan);
+            cols(buf, C, 0, n, a.lo, a.hi, a.nan);
         }
-        return;
+    } else {
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = 0; c < C; c += PIECE) {
+                const int64_t n = C - c < PIECE ? C - c : PIECE;
+                widen(h + r * C + c, dt, n, buf);
+                cols(buf, n, 0, 1, a.lo + c, a.hi + c, a.nan + c);
+            }
     }
-    for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < C; c += PIECE) {
-            const int64_t n = C - c < PIECE ? C - c : PIECE;
-            widen(h + r * C + c, dt, n, buf);
-            cols(buf, n, 0, 1, lo + c, hi + c, nan + c);
-        }
+    if (a.out_lo) finish(a, 0, C);
+}
+#else
+/* 8 elements of type dt at p as float32, exactly as widen() makes them. */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, const int dt) {
+    if (dt == QS_F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == QS_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
 }
 
-typedef struct { const void *x; int dt; int64_t C, r0, r1; float *lo, *hi; int32_t *nan; } cjob_t;
+/* A slab is read a block of rows at a time, and each block strip after strip across all
+   its columns: a strip's results stay in registers down the block's rows, and the running
+   results are read and written once a block, not once a row (3C floats each time: beyond
+   L1 from 2048 columns, where the per-row update took 2.8x the row kernel's time). */
+enum {
+    ROWS = 8,           /* rows a block holds: 8 streams, each read in order */
+    SHORT = 256,        /* bytes of a row below which blocks take more rows ... */
+    SHORT_BLOCK = 2048, /* ... up to this many bytes (at most 64 rows): fewer merges */
+    PF_ROW = 4096,      /* bytes of a row up to which the next blocks are prefetched */
+    PF_AHEAD = 2        /* that many blocks ahead */
+};
+/* A block's place: the first of its share (NEW), the last (END), in a share after the
+   thread's first (LATER: the earlier shares' results are in lo / hi, this share's in
+   share_lo / share_hi until its end), the slab's last (FINAL: its results are final). */
+enum { NEW = 1, END = 2, LATER = 4, FINAL = 8 };
+
+/* Columns [c, c + 8V) (V <= 4: 12 of the 16 vector registers hold their lo / hi / NaN) of
+   n rows s bytes apart from p (their first element), reduced in registers, then folded
+   into a's columns at c. In row order: min / max return their second operand on a tie. */
+static inline __attribute__((always_inline)) void
+strip(const char *p, const int dt, const int V, int64_t n, int64_t s, acc_t a, int64_t c,
+      int how) {
+    const int64_t z = dt == QS_F32 ? 32 : 16;  /* bytes of one vector's 8 elements */
+    float *slo = how & LATER ? a.share_lo : a.lo, *shi = how & LATER ? a.share_hi : a.hi;
+    __m256 l[4], h[4], m[4];
+    for (int k = 0; k < V; ++k) {
+        l[k] = _mm256_set1_ps(INFINITY); h[k] = _mm256_set1_ps(-INFINITY);
+        m[k] = _mm256_setzero_ps();
+    }
+    for (; n >= 2; n -= 2, p += 2 * s)  /* pairs: one unordered compare finds NaN in either */
+        for (int k = 0; k < V; ++k) {
+            const __m256 u = load8(p + k * z, dt), v = load8(p + s + k * z, dt);
+            l[k] = _mm256_min_ps(_mm256_min_ps(l[k], u), v);
+            h[k] = _mm256_max_ps(_mm256_max_ps(h[k], u), v);
+            m[k] = _mm256_or_ps(m[k], _mm256_cmp_ps(u, v, _CMP_UNORD_Q));
+        }
+    for (int k = 0; n && k < V; ++k) {
+        const __m256 u = load8(p + k * z, dt);
+        l[k] = _mm256_min_ps(l[k], u); h[k] = _mm256_max_ps(h[k], u);
+        m[k] = _mm256_or_ps(m[k], _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
+    }
+    for (int k = 0; k < V; ++k) {
+        const int64_t j = c + 8 * k;
+        if (!(how & NEW)) {  /* after the share's earlier rows: this block's win a tie */
+            l[k] = _mm256_min_ps(_mm256_loadu_ps(slo + j), l[k]);
+            h[k] = _mm256_max_ps(_mm256_loadu_ps(shi + j), h[k]);
+        }
+        if ((how & (END | LATER)) == (END | LATER)) {  /* after the earlier shares': theirs */
+            l[k] = _mm256_min_ps(l[k], _mm256_loadu_ps(a.lo + j));
+            h[k] = _mm256_max_ps(h[k], _mm256_loadu_ps(a.hi + j));
+        }
+        if ((how & (NEW | LATER)) != NEW)  /* the mask: NaN in any row of the thread's */
+            m[k] = _mm256_or_ps(m[k], _mm256_loadu_ps((const float *)(a.nan + j)));
+        if (how & FINAL && a.out_lo) {
+            const __m256 q = _mm256_set1_ps(NAN);
+            l[k] = _mm256_blendv_ps(l[k], q, m[k]);
+            h[k] = _mm256_blendv_ps(h[k], q, m[k]);
+            if (a.step == 1) {
+                _mm256_storeu_ps(a.out_lo + j, l[k]);
+                _mm256_storeu_ps(a.out_hi + j, h[k]);
+                continue;
+            }
+            float tl[8], th[8];  /* units in another order: step apart */
+            _mm256_storeu_ps(tl, l[k]);
+            _mm256_storeu_ps(th, h[k]);
+            for (int e = 0; e < 8; ++e) {
+                a.out_lo[(j + e) * a.step] = tl[e];
+                a.out_hi[(j + e) * a.step] = th[e];
+            }
+            continue;
+        }
+        _mm256_storeu_ps(how & END ? a.lo + j : slo + j, l[k]);
+        _mm256_storeu_ps(how & END ? a.hi + j : shi + j, h[k]);
+        _mm256_storeu_ps((float *)(a.nan + j), m[k]);
+    }
+}
+
+/* One element of type dt as float32 (the columns past the last whole vector). */
+static inline float elem(const char *p, int dt) {
+    uint16_t b;
+    float f;
+    if (dt == QS_F32) {
+        memcpy(&f, p, 4);
+        return f;
+    }
+    memcpy(&b, p, 2);
+    if (dt == QS_F16) return f16_to_f32(b);
+    const uint32_t w = (uint32_t)b << 16;
+    memcpy(&f, &w, 4);
+    return f;
+}
+
+/* Columns [c0, C) (fewer than 8) of n rows from row p, one value at a time in row order: a
+   tie keeps the first value, in a share and across them. */
+static void tail(const char *p, int dt, int64_t C, int64_t c0, int64_t n, acc_t a, int how) {
+    const int64_t z = dt == QS_F32 ? 4 : 2;
+    for (int64_t c = c0; (how & (NEW | LATER)) == NEW && c < C; ++c) {
+        a.lo[c] = INFINITY; a.hi[c] = -INFINITY; a.nan[c] = 0;
+    }
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = c0; c < C; ++c) {
+            const float v = elem(p + (r * C + c) * z, dt);
+            a.lo[c] = v < a.lo[c] ? v : a.lo[c];
+            a.hi[c] = v > a.hi[c] ? v : a.hi[c];
+            a.nan[c] |= v != v;
+        }
+    if (how & FINAL && a.out_lo) finish(a, c0, C);
+}
+
+/* n rows of the slab from p (a block), strip after strip; pf: where a later block's bytes
+   start, prefetched into L2 in order as this block's strips go (NULL: none). Short rows
+   need it: there a block's strips hop between rows a few lines long, which the hardware
+   prefetchers do not follow (1.4-2x the row kernel's time from memory without it). */
+static inline __attribute__((always_inline)) void
+block(const char *p, const int dt, int64_t C, const int64_t n, acc_t a, int how,
+      const char *pf) {
+    const int64_t z = dt == QS_F32 ? 4 : 2, C8 = C & ~(int64_t)7;
+    int64_t c = 0;
+    for (; c + 32 <= C8; c += 32) {  /* (the strip's share of the later block's bytes) */
+        for (int64_t o = 0; pf && o < n * 32 * z; o += 64)
+            _mm_prefetch(pf + c * z * n + o, _MM_HINT_T1);
+        strip(p + c * z, dt, 4, n, C * z, a, c, how);
+    }
+    for (; c < C8; c += 8) {
+        for (int64_t o = 0; pf && o < n * 8 * z; o += 64)
+            _mm_prefetch(pf + c * z * n + o, _MM_HINT_T1);
+        strip(p + c * z, dt, 1, n, C * z, a, c, how);
+    }
+    if (C8 < C) tail(p, dt, C, C8, n, a, how);
+}
+
+/* Shares [k0, k1) of the slab at x into a, a block at a time. */
+static inline __attribute__((always_inline)) void
+slab_dt(const char *x, const int dt, int64_t R, int64_t C, int64_t S, int64_t k0, int64_t k1,
+        acc_t a) {
+    const int64_t z = dt == QS_F32 ? 4 : 2, row = C * z, end = R * k1 / S;
+    const int64_t rows = row >= SHORT ? ROWS : SHORT_BLOCK / row > 64 ? 64 : SHORT_BLOCK / row;
+    const char *last = x + R * row;
+    for (int64_t k = k0, later = 0; k < k1; ++k) {
+        const int64_t r0 = R * k / S, r1 = R * (k + 1) / S;
+        for (int64_t b = r0; b < r1; b += rows) {
+            const int64_t n = r1 - b < rows ? r1 - b : rows;
+            const int how = (b == r0 ? NEW : 0) | (b + n == r1 ? END : 0) | (later ? LATER : 0)
+                            | (b + n == end ? FINAL : 0);
+            const char *p = x + b * row, *q = p + PF_AHEAD * rows * row;
+            q = row <= PF_ROW && q < last ? q : NULL;
+            if (n == ROWS) block(p, dt, C, ROWS, a, how, q);  /* the rows unrolled */
+            else block(p, dt, C, n, a, how, q);
+        }
+        later |= r1 > r0;  /* (an empty share holds no results) */
+    }
+}
+
+/* Shares [k0, k1) of the slab at x into a (AVX2: strips of columns in registers, bf16 /
+   fp16 widened there). */
+static void slab(const void *x, int dt, int64_t R, int64_t C, int64_t S, int64_t k0,
+                 int64_t k1, acc_t a) {
+    if (dt == QS_F32) slab_dt((const char *)x, QS_F32, R, C, S, k0, k1, a);
+    else if (dt == QS_BF16) slab_dt((const char *)x, QS_BF16, R, C, S, k0, k1, a);
+    else slab_dt((const char *)x, QS_F16, R, C, S, k0, k1, a);
+}
+#endif
+
+/* A thread's part: slabs [s0, s1) whole (into their units of lo / hi), or shares [k0, k1)
+   of slab s0 alone (lo NULL: into its running results, which the caller merges). */
+typedef struct {
+    const char *x; int dt; int64_t R, C, S, s0, s1, k0, k1, group; float *lo, *hi; acc_t a;
+} cjob_t;
+
+/* Slabs whose results are put in unit order at a time: 16 floats (a cache line) of each
+   column's units, where each slab's straight there (a float a line) took as long as a torch
+   transpose of them all. */
+#define BATCH 16
+
+#ifdef __AVX2__
+/* The 8 x 8 floats at t (rows C apart) transposed to out (rows step apart). */
+static inline void transpose8(const float *t, int64_t C, float *out, int64_t step) {
+    __m256 r[8], u[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(t + k * C);
+    for (int k = 0; k < 8; k += 2) {
+        u[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        u[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) {
+        r[k] = _mm256_shuffle_ps(u[k], u[k + 2], 0x44);
+        r[k + 1] = _mm256_shuffle_ps(u[k], u[k + 2], 0xEE);
+        r[k + 2] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0x44);
+        r[k + 3] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(out + k * step, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+        _mm256_storeu_ps(out + (k + 4) * step, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+    }
+}
+#endif
+
+/* Rows [0, n) of t ([n, C]) as the columns of out: column c's n values at out + c * step. */
+static void put_units(const float *t, int64_t n, int64_t C, float *out, int64_t step) {
+    int64_t n8 = 0, C8 = 0;  /* (rows and columns in 8 x 8 blocks) */
+#ifdef __AVX2__
+    n8 = n & ~(int64_t)7;
+    C8 = C & ~(int64_t)7;
+    for (int64_t c = 0; c < C8; c += 8)
+        for (int64_t b = 0; b < n8; b += 8) transpose8(t + b * C + c, C, out + c * step + b, step);
+#endif
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t b = c < C8 ? n8 : 0; b < n; ++b)
+            out[c * step + b] = t[b * C + c];
+}
 
 static void *crun(void *p) {
     cjob_t *j = (cjob_t *)p;
-    cols_of(j->x, j->dt, j->C, j->r0, j->r1, j->lo, j->hi, j->nan);
+    const int64_t bytes = j->R * j->C * (j->dt == QS_F32 ? 4 : 2), C = j->C, g = j->group;
+    /* group > 1: a batch's results into t ([2, BATCH, C]), then put in unit order */
+    float *t = j->lo && g > 1 ? (float *)malloc(sizeof(float) * 2 * BATCH * C) : NULL;
+    for (int64_t s = j->s0, e; s < j->s1; s = e) {
+        const int64_t at = s / g * C * g + s % g;  /* slab s's unit of column 0 */
+        e = s + 1;
+        if (t) {  /* to the batch's end, within the group */
+            e = s - s % BATCH + BATCH;
+            e = e < j->s1 ? e : j->s1;
+            e = e < (s / g + 1) * g ? e : (s / g + 1) * g;
+        }
+        for (int64_t i = s; i < e; ++i) {
+            acc_t a = j->a;
+            if (t) {
+                a.out_lo = t + (i - s) * C;
+                a.out_hi = t + (BATCH + i - s) * C;
+            } else if (j->lo) {  /* (i == s: its units g apart, where g is 1 or t failed) */
+                a.out_lo = j->lo + at;
+                a.out_hi = j->hi + at;
+                a.step = g;
+            }
+            slab(j->x + i * bytes, j->dt, j->R, C, j->S, j->k0, j->k1, a);
+        }
+        if (t) {
+            put_units(t, e - s, C, j->lo + at, g);
+            put_units(t + BATCH * C, e - s, C, j->hi + at, g);
+        }
+    }
+    free(t);
     return NULL;
 }
 
-/* Per-column min / max of [R, C] of element type dt; work (threads x 3C floats) is scratch
-   from the caller. Returns 0 (every exported kernel returns int64: kernels.SIGNATURES). */
-int64_t qs_col_minmax(const void *x, int64_t R, int64_t C, float *lo, float *hi,
-                      float *work, int threads, int dt) {
-    if (C < 1) return -1;  /* no columns: nothing to reduce (the caller sends none) */
-    if (threads > QS_MAXT) threads = QS_MAXT;
-    if (threads < 1) threads = 1;
-    cjob_t jobs[QS_MAXT];
-    for (int t = 0; t < threads; ++t) {
-        float *l = work + (int64_t)t * 3 * C, *h = l + C;
-        int32_t *n = (int32_t *)(h + C);
-        for (int64_t c = 0; c < C; ++c) { l[c] = INFINITY; h[c] = -INFINITY; n[c] = 0; }
-        jobs[t] = (cjob_t){x, dt, C, R * t / threads, R * (t + 1) / threads, l, h, n};
-    }
-    qs_run_jobs(crun, jobs, sizeof jobs[0], threads);
+/* The threads' running results of one slab merged in order (the first wins a tie). */
+static void merge(const cjob_t *jobs, int threads, int64_t C, float *lo, float *hi) {
     for (int64_t c = 0; c < C; ++c) {
         float l = INFINITY, h = -INFINITY;
         int bad = 0;
         for (int t = 0; t < threads; ++t) {
-            float lt = jobs[t].lo[c], ht = jobs[t].hi[c];
+            const cjob_t *j = jobs + t;
+            if (j->R * j->k0 / j->S == j->R * j->k1 / j->S) continue;  /* no rows: no results */
+            float lt = j->a.lo[c], ht = j->a.hi[c];
             l = lt < l ? lt : l;
             h = ht > h ? ht : h;
-            bad |= jobs[t].nan[c];
+            bad |= j->a.nan[c];
         }
         lo[c] = bad ? NAN : l;
         hi[c] = bad ? NAN : h;
     }
+}
+
+/* Per-column min / max of each of `runs` contiguous [R, C] slabs of element type dt into
+   lo / hi in unit order: slab l * group + g's column c at (l * C + c) * group + g (group 1:
+   [runs, C]; runs a multiple of group). Each slab's rows are cut into `shares` (see above).
+   Threads take whole slabs where there are several, else shares of the one; work (threads x
+   5C floats) is scratch from the caller. Returns 0 (every exported kernel returns int64:
+   kernels.SIGNATURES). */
+int64_t qs_col_minmax(const void *x, int64_t runs, int64_t R, int64_t C, float *lo, float *hi,
+                      float *work, int threads, int shares, int64_t group, int dt) {
+    if (C < 1 || R < 1 || runs < 1 || group < 1 || runs % group) return -1;  /* (no caller's) */
+    if (shares > QS_MAXT) shares = QS_MAXT;  /* as the threads that cut it were capped */
+    if (shares < 1) shares = 1;
+    if (threads > QS_MAXT) threads = QS_MAXT;
+    if (threads > (runs > 1 ? runs : shares)) threads = (int)(runs > 1 ? runs : shares);
+    if (threads < 1) threads = 1;
+    cjob_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t) {
+        float *l = work + (int64_t)t * 5 * C;
+        const acc_t a = {l, l + C, (int32_t *)(l + 2 * C), l + 3 * C, l + 4 * C, NULL, NULL, 1};
+        if (runs > 1 || threads == 1)
+            jobs[t] = (cjob_t){x, dt, R, C, shares, runs * t / threads, runs * (t + 1) / threads,
+                               0, shares, group, lo, hi, a};
+        else
+            jobs[t] = (cjob_t){x, dt, R, C, shares, 0, 1, shares * t / threads,
+                               shares * (t + 1) / threads, 1, NULL, NULL, a};
+    }
+    qs_run_jobs(crun, jobs, sizeof jobs[0], threads);
+    if (runs == 1 && threads > 1) merge(jobs, threads, C, lo, hi);
     return 0;
 }
 
@@ -569,14 +850,7 @@ typedef struct { const agroups_t *a; const int32_t *grp; int64_t b0, b1; } vjob_
     r6 = _mm256_permute2f128_ps(s2, s6, 0x31); r7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
 } while (0)
 
-/* 8 values of type dt at p as float32 (exact, as widen()). */
-static inline __m256 load8(const char *p, int dt) {
-    if (dt == QS_F32) return _mm256_loadu_ps((const float *)p);
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (dt == QS_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
+/* (load8(): the column kernel's, above) */
 
 static inline float load1(const char *p, int dt) {
     float f;
