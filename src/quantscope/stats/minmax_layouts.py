@@ -49,8 +49,8 @@ def column_minmax(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    group: int = 1) -> None:
-    """The C column reduction of every slab of a contiguous ``slabs [runs, R >= 2, C]`` (a
-    kernel dtype) in one call, into contiguous float32 ``lo`` / ``hi`` of ``runs * C``
+    """The C column reduction of every slab of a contiguous ``slabs [runs, R, C]`` (a kernel
+    dtype) in one call, into contiguous float32 ``lo`` / ``hi`` of ``runs * C``
     elements in the units' order: slab ``l * group + g``'s column ``c`` at ``(l * C + c) *
     group + g`` (``group=1``: ``[runs, C]``). The threads take whole slabs where there are
     several. Each slab's rows are cut into the shares one slab's threads would take,
@@ -70,11 +70,13 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
 
     On the CPU, for float32 / bf16 / fp16 ``x`` and the layouts whose units are not a row view
     of ``x`` (a channel axis other than the first, groups or blocks along an axis before the
-    last, tiles), the C kernel's reductions over reshapes of ``x`` itself; activation-order
-    groups by their own pass over ``x`` (:mod:`.minmax_actorder`, a strided ``x`` too); for a
-    dense ``x`` that is not contiguous (``w.t()``, channels_last), every other layout but
-    tokens and blocks with a padded tail, the same over ``x``'s memory in its own order
-    (:func:`memory_order`). Elsewhere, any float ``x``: the op ``quantscope::unit_minmax`` on a view of
+    last, blocks with a padded tail, tiles), the C kernel's reductions over reshapes of ``x``
+    itself; activation-order groups by their own pass over ``x`` (:mod:`.minmax_actorder`, a
+    strided ``x`` too); for a dense ``x`` that is not contiguous (``w.t()``, channels_last),
+    every other layout but tokens, the same over ``x``'s memory in its own order
+    (:func:`memory_order`). (Blocks with a padded tail: along an axis before the last for one
+    leading index, along the last in segments of at least 16.) Elsewhere, any float ``x``: the
+    op ``quantscope::unit_minmax`` on a view of
     ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
     dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
@@ -111,20 +113,50 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
 
 
 def _tile_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Tiles of a contiguous ``x``, ragged edge tiles included: the kernel reads row
-    segments ``gcd(C, tile columns)`` wide (they cut the last, narrower tile column too),
-    then each tile's segments and rows are reduced. An edge tile's range is its real
-    values' (the units path pads it with zeros, then takes them out again: the padding is
-    no data), where ``to_units`` had padded and copied the whole tensor (18-25x a
-    divisible shape's time on a 2880 x 2880 fp8 ``tile:128x128``, found by probing)."""
+    """Tiles of a contiguous ``x``, ragged edge tiles included, an edge tile's range its real
+    values' (the units path pads it with zeros, then takes them out again: the padding is no
+    data), where ``to_units`` had padded and copied the whole tensor (18-25x a divisible
+    shape's time on a 2880 x 2880 fp8 ``tile:128x128``, found by probing). Each band of tile
+    rows is a slab for the column kernel (the last band shorter), then each tile's columns
+    are reduced: a 4000 x 4000 ``tile:128x128`` in 1.0-1.07x a divisible shape's time, where
+    row segments ``gcd(C, tile columns)`` wide took 1.3-2.0x. Those segments (at least 16 wide)
+    still serve where their results are the fewer (tiles of one row: blocks along the last
+    axis with a padded tail) or the bands of several leading indices are ragged."""
     R, C = x.shape[-2:]
     tr, tc = layout._geometry(x.shape)[4:]  # a tile, or the whole of a smaller dim
-    g = math.gcd(C, tc)
+    g = math.gcd(C, tc)  # bands where their results are the smaller (or the only)
+    if tr > 1 and (tr >= g or g < 16) and (R % tr == 0 or x.numel() == R * C):
+        lo, hi = _bands(x.view(-1, R, C), tr)
+        return tuple(_runs(t, 2, tc, op).reshape(-1) for t, op in ((lo, torch.amin),
+                                                                   (hi, torch.amax)))
     if g < 16:  # short segments: the kernel's rows cost more than the copy saves
         return None
     lo, hi = unit_minmax(x.view(-1, g))
     tiles = lambda t, op: _runs(_runs(t.view(-1, R, C // g), 2, tc // g, op), 1, tr, op)
     return tiles(lo, torch.amin).reshape(-1), tiles(hi, torch.amax).reshape(-1)
+
+
+def _bands(x3: torch.Tensor, rows: int, across: bool = False):
+    """Per-column ``(lo, hi)`` of the bands of ``rows`` rows of a contiguous ``x3 [lead, R,
+    C]``, the last band of each lead shorter where ``rows`` does not divide ``R`` (its range
+    its real rows'; ragged only for one lead): ``[lead, bands, C]``, or ``across``: ``[lead,
+    C, bands]``, a run's units in the order runs along ``R`` take. One kernel call for the
+    whole bands, one for the short one."""
+    lead, R, C = x3.shape
+    full, rest = divmod(R, rows)
+    lib, shape = _kernel(), (lead, C, full) if across else (lead, full + (rest > 0), C)
+    lo, hi = kernels.buffer(*shape), kernels.buffer(*shape)
+    if full:
+        body = [t if across else t[:, :full] for t in (lo, hi)]  # (contiguous: one lead)
+        _column_kernel(lib, x3[:, :full * rows].reshape(lead * full, rows, C), *body,
+                       group=full if across else 1)
+    if not rest:
+        return lo, hi
+    end = [kernels.buffer(C) for _ in "lh"] if across else [lo[0, full], hi[0, full]]
+    _column_kernel(lib, x3[:, full * rows:].view(1, rest, C), *end)
+    if not across:
+        return lo, hi
+    return tuple(torch.cat((t, e.view(1, C, 1)), 2) for t, e in zip((lo, hi), end))
 
 
 def _runs(t: torch.Tensor, dim: int, run: int, op) -> torch.Tensor:
@@ -140,28 +172,25 @@ def _runs(t: torch.Tensor, dim: int, run: int, op) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-#: at most this many runs (groups along an axis before the last) read one kernel call each
-MAX_SEGMENT_RUNS = 1024
-
-
 def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Groups / blocks along an axis before the last (``group:128:0``, ``block:16:0``), in
     the units' order (leading dims, trailing dims, run): each run of ``size`` along the axis
     is a ``[size, trailing]`` slab of ``x`` whose columns are units, read in place where
-    ``to_units`` would copy ``x`` to move the axis last (10x slower, found by probing)."""
+    ``to_units`` would copy ``x`` to move the axis last (10x slower, found by probing). A
+    block's padded tail too (one leading index: a matrix's axis 0, a transposed weight),
+    its range its real values', where ``to_units`` padded and copied ``x`` (12-37x); along
+    the last axis, tiles of one row (:func:`_tile_minmax`)."""
     if x.dim() < 2 or not -x.dim() <= layout.axis < x.dim():
         return None  # the units path says what is wrong
     a = layout.axis % x.dim()
     n, size = x.shape[a], layout.size
     lead, trail = math.prod(x.shape[:a]), math.prod(x.shape[a + 1:])
-    runs = lead * (n // size)
-    if a == x.dim() - 1 or n % size or size < 2 or trail < 16 or runs > MAX_SEGMENT_RUNS:
-        return None  # units are rows of x already, a padded tail (zeros), or small slabs
-    lo, hi = kernels.buffer(runs * trail), kernels.buffer(runs * trail)
-    # the kernel puts them in the units' order (torch's amin / amax over the view took 2.4x
-    # the kernel's time, and a transpose of its [runs, trail] results up to 2x)
-    _column_kernel(_kernel(), x.view(runs, size, trail), lo, hi, group=n // size)
-    return lo, hi
+    if a == x.dim() - 1 and n % size:  # rows' runs with a padded tail: tiles of one row
+        return _tile_minmax(x.view(-1, n), Tile(1, size))
+    if a == x.dim() - 1 or size < 2 or trail < 16 or (n % size and lead > 1):
+        return None  # units are rows of x already, small slabs, or ragged runs of several
+    lo, hi = _bands(x.view(lead, n, trail), size, across=True)
+    return lo.view(-1), hi.view(-1)
 
 
 def memory_order(x: torch.Tensor) -> list[int] | None:
@@ -207,16 +236,14 @@ def _permuted_runs(x, m, order, layout) -> tuple[torch.Tensor, torch.Tensor] | N
     then permuted to ``x``'s."""
     a, size = layout.axis % x.dim(), layout.size
     am = order.index(a)
-    if am < m.dim() - 1:  # slabs whose columns are units
+    if am < m.dim() - 1 or m.shape[-1] % size:  # slabs whose columns are units, or tiles
         found = _segment_minmax(m, replace(layout, axis=am))
-    elif m.shape[-1] % size:
-        return None  # a padded tail: the units path takes the padding out
     else:  # runs of m's rows: m's units are rows of its memory
         found = unit_minmax(m.view(-1, size))
     if found is None:
         return None
     others = [d for d in order if d != a]  # x's axes in m's order, then the run
-    grid = [x.shape[d] for d in others] + [x.shape[a] // size]
+    grid = [x.shape[d] for d in others] + [-(-x.shape[a] // size)]
     back = [others.index(d) for d in range(x.dim()) if d != a] + [len(others)]
     return tuple(t.view(grid).permute(back).reshape(-1) for t in found)
 
