@@ -19,6 +19,7 @@ from ..layout import Tensor as TensorLayout
 from .minmax import (
     KERNEL_DTYPES,
     _kernel,
+    _plain_f32,
     _result_dtype,
     _threads,
     _use_kernel,
@@ -81,15 +82,17 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
     dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
     no such path here, build the units instead. ``out_for(U)``: two ``[U]`` float32 tensors
-    to write into (an observer's ``_minmax_out``), which the act-order pass asks for and
-    takes where they fit (the other paths make new ones).
+    to write into (an observer's ``_minmax_out``), which the act-order pass and the runs
+    along an axis before the memory's last (groups / blocks, of ``w.t()`` too) ask for and
+    take where they fit (the other paths make new ones: NVFP4 blocks of a 4096 x 4096
+    ``w.t()`` had faulted in 8 MB of fresh pages a call, 2x the contiguous weight's step).
     """
     if x.device.type != "cpu":  # (padded units: the units path takes their zeros out)
         return None if layout.pads_at(x.shape) else _op_layout_minmax(x, layout)
     if getattr(layout, "g_idx", None) is not None:  # act-order groups: their own pass
         return actorder_minmax(x, layout, out_for)
     if not x.is_contiguous():  # a permuted view (w.t(), channels_last): the memory it views
-        return _permuted_minmax(x, layout)
+        return _permuted_minmax(x, layout, out_for)
     if isinstance(layout, TensorLayout) or not _use_kernel(x) or _kernel() is None:
         return None  # one unit: a row view already; or torch reads the units
     shape = x.shape
@@ -106,7 +109,7 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
             return lo.view(A, C).amin(0), hi.view(A, C).amax(0)  # amin / amax keep NaN
         return None
     if isinstance(layout, (Group, Block)) and getattr(layout, "g_idx", None) is None:
-        return _segment_minmax(x, layout)
+        return _segment_minmax(x, layout, out_for)
     if isinstance(layout, Tile) and x.dim() >= 2:
         return _tile_minmax(x, layout)
     return None
@@ -136,16 +139,21 @@ def _tile_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] |
     return tiles(lo, torch.amin).reshape(-1), tiles(hi, torch.amax).reshape(-1)
 
 
-def _bands(x3: torch.Tensor, rows: int, across: bool = False):
+def _bands(x3: torch.Tensor, rows: int, across: bool = False, out_for=None):
     """Per-column ``(lo, hi)`` of the bands of ``rows`` rows of a contiguous ``x3 [lead, R,
     C]``, the last band of each lead shorter where ``rows`` does not divide ``R`` (its range
     its real rows'; ragged only for one lead): ``[lead, bands, C]``, or ``across``: ``[lead,
     C, bands]``, a run's units in the order runs along ``R`` take. One kernel call for the
-    whole bands, one for the short one."""
+    whole bands, one for the short one; into ``out_for(U)`` (two ``[U]`` tensors, as
+    :func:`layout_minmax`'s) where they fit."""
     lead, R, C = x3.shape
     full, rest = divmod(R, rows)
     lib, shape = _kernel(), (lead, C, full) if across else (lead, full + (rest > 0), C)
-    lo, hi = kernels.buffer(*shape), kernels.buffer(*shape)
+    out = out_for(math.prod(shape)) if out_for is not None and not rest else None
+    if out is not None and all(_plain_f32(t, math.prod(shape)) for t in out):
+        lo, hi = (t.view(shape) for t in out)
+    else:
+        lo, hi = kernels.buffer(*shape), kernels.buffer(*shape)
     if full:
         body = [t if across else t[:, :full] for t in (lo, hi)]  # (contiguous: one lead)
         _column_kernel(lib, x3[:, :full * rows].reshape(lead * full, rows, C), *body,
@@ -172,14 +180,15 @@ def _runs(t: torch.Tensor, dim: int, run: int, op) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _segment_minmax(x: torch.Tensor, layout, out_for=None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Groups / blocks along an axis before the last (``group:128:0``, ``block:16:0``), in
     the units' order (leading dims, trailing dims, run): each run of ``size`` along the axis
     is a ``[size, trailing]`` slab of ``x`` whose columns are units, read in place where
     ``to_units`` would copy ``x`` to move the axis last (10x slower, found by probing). A
     block's padded tail too (one leading index: a matrix's axis 0, a transposed weight),
     its range its real values', where ``to_units`` padded and copied ``x`` (12-37x); along
-    the last axis, tiles of one row (:func:`_tile_minmax`)."""
+    the last axis, tiles of one row (:func:`_tile_minmax`). ``out_for``: as :func:`_bands`'."""
     if x.dim() < 2 or not -x.dim() <= layout.axis < x.dim():
         return None  # the units path says what is wrong
     a = layout.axis % x.dim()
@@ -189,7 +198,7 @@ def _segment_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor
         return _tile_minmax(x.view(-1, n), Tile(1, size))
     if a == x.dim() - 1 or size < 2 or trail < 16 or (n % size and lead > 1):
         return None  # units are rows of x already, small slabs, or ragged runs of several
-    lo, hi = _bands(x.view(lead, n, trail), size, across=True)
+    lo, hi = _bands(x.view(lead, n, trail), size, across=True, out_for=out_for)
     return lo.view(-1), hi.view(-1)
 
 
@@ -201,14 +210,16 @@ def memory_order(x: torch.Tensor) -> list[int] | None:
     return order if x.permute(order).is_contiguous() else None
 
 
-def _permuted_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _permuted_minmax(x: torch.Tensor, layout, out_for=None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`layout_minmax` of a dense ``x`` that is not contiguous (a transposed matrix,
     a channels_last activation or weight, permuted key / value states), read from ``m =
     x.permute(memory_order(x))``, the same memory as a contiguous tensor, where
     ``to_units`` would copy ``x`` first (6-18x the contiguous tensor's time, found by
     probing): the same units under ``m``'s axes, their results put back in ``x``'s unit
     order. None where ``x`` has gaps, the units are no row, column or run of ``m``, or the
-    C kernel cannot read ``m`` (the column kernel has no torch twin here)."""
+    C kernel cannot read ``m`` (the column kernel has no torch twin here). ``out_for``: as
+    :func:`_bands`' (runs along an axis before ``m``'s last)."""
     order = memory_order(x)
     if order is None:
         return None
@@ -224,20 +235,21 @@ def _permuted_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tenso
         return layout_minmax(m, Channel(a))  # units indexed by channel alone: no reorder
     if isinstance(layout, (Group, Block)) and getattr(layout, "g_idx", None) is None \
             and -x.dim() <= layout.axis < x.dim():
-        return _permuted_runs(x, m, order, layout)
+        return _permuted_runs(x, m, order, layout, out_for)
     if isinstance(layout, Tile) and order[:-2] == list(range(x.dim() - 2)):  # (x.t())
         return _transposed_tiles(m, layout)
     return None
 
 
-def _permuted_runs(x, m, order, layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _permuted_runs(x, m, order, layout, out_for=None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Groups / blocks of a dense permuted ``x`` from ``m`` (:func:`_permuted_minmax`): the
     runs along the same axis of ``m``, whose units come in ``m``'s order of the other axes,
     then permuted to ``x``'s."""
     a, size = layout.axis % x.dim(), layout.size
     am = order.index(a)
     if am < m.dim() - 1 or m.shape[-1] % size:  # slabs whose columns are units, or tiles
-        found = _segment_minmax(m, replace(layout, axis=am))
+        found = _segment_minmax(m, replace(layout, axis=am), out_for)
     else:  # runs of m's rows: m's units are rows of its memory
         found = unit_minmax(m.view(-1, size))
     if found is None:
