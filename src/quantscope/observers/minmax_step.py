@@ -121,13 +121,13 @@ def cpu_step(obs, x, base: type) -> bool:
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
     kind = UPDATES.get(obs.state_update)  # (the instance's settings: they can change)
-    if not takes or not kernels.real_tensor(x) or not x.is_cpu or x.layout != torch.strided \
+    if not takes or not x.is_cpu or x.layout != torch.strided \
             or obs.non_finite != "error" or obs.sync_every_step or obs._padded_call \
             or kind is None or not obs.accumulates or not obs.cached_cpu_step \
             or not _STEPS.isdisjoint(obs.__dict__):
         return False
     lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
-    if lib is None:
+    if lib is None or not kernels.real_tensor(x):  # (after the context: Dynamo folds it)
         return False
     plan = _lookup(obs, x)
     if plan is None:
