@@ -121,7 +121,7 @@ def cpu_step(obs, x, base: type) -> bool:
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
     kind = UPDATES.get(obs.state_update)  # (the instance's settings: they can change)
-    if not takes or not x.is_cpu or x.layout != torch.strided \
+    if not takes or not isinstance(x, torch.Tensor) or not x.is_cpu or x.layout != torch.strided \
             or obs.non_finite != "error" or obs.sync_every_step or obs._padded_call \
             or kind is None or not obs.accumulates or not obs.cached_cpu_step \
             or not _STEPS.isdisjoint(obs.__dict__):
