@@ -17,26 +17,18 @@ from quantscope.stats import minmax as stats
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
 
 
-class GeneralStatic(StaticMinMaxObserver):
-    def _observe(self, units, lo, hi):  # an override of a step: never the cached call
-        super()._observe(units, lo, hi)
-
-
-class GeneralEMA(MovingAverageMinMaxObserver):
-    def _observe(self, units, lo, hi):
-        super()._observe(units, lo, hi)
-
-
 def g(seed, *shape, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def pair(layout, ema=False):
+    """The observer and its twin on the general path (``cached_cpu_step = False``)."""
     spec = QuantSpec("int8", layout)
-    if ema:
-        return (MovingAverageMinMaxObserver(spec, averaging_constant=0.3),
-                GeneralEMA(spec, averaging_constant=0.3))
-    return StaticMinMaxObserver(spec), GeneralStatic(spec)
+    make = ((lambda: MovingAverageMinMaxObserver(spec, averaging_constant=0.3)) if ema
+            else (lambda: StaticMinMaxObserver(spec)))
+    obs, twin = make(), make()
+    twin.cached_cpu_step = False
+    return obs, twin
 
 
 def same(a, b):
