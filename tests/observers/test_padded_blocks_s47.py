@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from op_names import Copies
+from padded_layouts import bits, copy_path, tensor
 
 import quantscope
 from quantscope import Block, QuantSpec, Tile
@@ -23,32 +24,6 @@ from quantscope.stats import minmax as stats
 from quantscope.stats import minmax_layouts
 
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s float32 bit patterns, NaN as one value (the kernel returns its own NaN)."""
-    return t.float().nan_to_num(7.0).view(torch.int32)
-
-
-def copy_path(x, layout):
-    """Per-unit ``(lo, hi)`` from the padded units ``to_units`` builds, the padding then
-    taken out (``unpad_minmax_``), as forward does without the in-place path."""
-    units = layout.to_units(x)
-    lo, hi = (t.float() for t in stats.torch_unit_minmax(units))
-    minmax_layouts.unpad_minmax_(layout, units, x.shape, lo, hi)
-    return lo, hi
-
-
-def tensor(shape, dtype, seed, bad=()):
-    """No zeros (a -0.0 / +0.0 tie may come back either way), all of one sign at times (a
-    padded block's min is its values', never the padding's 0), ``bad`` at a few places."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(shape, generator=g).add_(0.5)
-    if seed % 3:
-        x *= torch.randint(0, 2, shape, generator=g) * 2 - 1.0
-    for i, v in enumerate(bad):
-        x.view(-1)[(i * 7919) % x.numel()] = v
-    return x.to(dtype)
 
 
 def in_place(shape, size, axis) -> bool:

@@ -1,0 +1,35 @@
+"""Helpers of the in-place layout tests (ragged tiles, padded blocks): bit patterns, the
+copy path's per-unit ranges, and test tensors without zeros."""
+
+from __future__ import annotations
+
+import torch
+
+from quantscope.stats import minmax as stats
+from quantscope.stats import minmax_layouts
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s float32 bit patterns, NaN as one value (the kernel returns its own NaN)."""
+    return t.float().nan_to_num(7.0).view(torch.int32)
+
+
+def copy_path(x, layout):
+    """Per-unit ``(lo, hi)`` from the padded units ``to_units`` builds, the padding then
+    taken out (``unpad_minmax_``), as forward does without the in-place path."""
+    units = layout.to_units(x)
+    lo, hi = (t.float() for t in stats.torch_unit_minmax(units))
+    minmax_layouts.unpad_minmax_(layout, units, x.shape, lo, hi)
+    return lo, hi
+
+
+def tensor(shape, dtype, seed, bad=()):
+    """No zeros (a -0.0 / +0.0 tie may come back either way), all of one sign at times (a
+    padded unit's min is its values', never the padding's 0), ``bad`` at a few places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(shape, generator=g).add_(0.5)
+    if seed % 3:
+        x *= torch.randint(0, 2, shape, generator=g) * 2 - 1.0
+    for i, v in enumerate(bad):
+        x.view(-1)[(i * 7919) % x.numel()] = v
+    return x.to(dtype)
