@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -175,10 +176,23 @@ def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
                           "set QUANTSCOPE_CACHE to a writable folder") from e
 
 
+def _texts(source: Path, include: Path) -> list[bytes]:
+    """What the build reads: ``source``, every header of ``include`` and the sources it
+    includes from there by name (tests build a kernel's own ``.c`` under other flags: a key
+    without it served the library built from the old text)."""
+    text = source.read_bytes()
+    named = sorted(set(re.findall(rb'#include "([^"/]+\.c)"', text)))
+    # where the compiler looks for a quoted name: beside the source first, then -I
+    found = [next(p for p in (source.parent / n.decode(), include / n.decode()) if p.is_file())
+             for n in named]
+    return ([text] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
+            + [p.read_bytes() for p in found])
+
+
 def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
     """The cached library built from ``source`` (built now unless cached and intact)."""
-    texts = [source.read_bytes()] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([*texts, "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
+    key = hashlib.sha256(b"\0".join([*_texts(source, include),
+                                      "\0".join([*FLAGS, *cc, _cpu_id()]).encode()]))
     target = _cache_folder(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
     if _intact(target):
         _check_private(target)
