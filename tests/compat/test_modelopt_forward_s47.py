@@ -116,3 +116,26 @@ def test_forward_amax_is_modelopts_collect(axis):
         ours(x)
     want, got = ref.compute_amax(), copy.deepcopy(ours).compute_amax()
     assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_forward_tracks_the_amax_of_a_weight_that_requires_grad():
+    """s48 review: ``track_amax=True`` through forward read numpy from a tensor that requires
+    grad (every ``nn.Parameter``) and raised; collect (no_grad) took the same weight."""
+    w = torch.nn.Parameter(torch.randn(8, 32))
+    by_forward, by_collect = MaxCalibrator(axis=0, track_amax=True), \
+        MaxCalibrator(axis=0, track_amax=True)
+    by_forward(w)
+    by_collect.collect(w)
+    assert torch.equal(by_forward.compute_amax(), by_collect.compute_amax())
+    assert len(by_forward.amaxs) == 1
+    assert (by_forward.amaxs[0] == w.detach().abs().amax(1, keepdim=True).numpy()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16])
+def test_forward_returns_its_input(dtype):
+    """s48 review: forward returned its float32 upcast, not the input it documents."""
+    x = torch.randn(4, 64).to(dtype)
+    o = MaxCalibrator(axis=0)
+    assert o(x) is x
+    amax = o.compute_amax()  # ModelOpt's: the batch's dtype (fp8: float32), axis 0 kept
+    assert torch.equal(amax, x.float().abs().amax(1, keepdim=True).to(amax.dtype))

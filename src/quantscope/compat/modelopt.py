@@ -234,8 +234,9 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()) \
                 or x.is_meta:  # the native path refuses it, or observes nothing (empty)
             return super().forward(x)
-        x = _upcast(x)
-        self._step(x, *self._shaped_view(x))
+        values = _upcast(x)
+        with torch.no_grad():  # as collect: a weight's grad has no place in numpy's amaxs
+            self._step(values, *self._shaped_view(values))
         return x
 
     def _shaped_view(self, x: torch.Tensor):
