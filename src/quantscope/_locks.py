@@ -11,16 +11,18 @@ __all__ = ["ForkSafeLock"]
 
 
 class ForkSafeLock:
-    """A ``threading.Lock`` (``with lock: ...``) renewed in every forked child. For module-level
-    locks: the fork handler keeps the lock alive for the life of the process."""
+    """A ``threading.Lock`` (``with lock: ...``; ``reentrant``: an ``RLock``) renewed in every
+    forked child. For module-level locks: the fork handler keeps the lock alive for the life of
+    the process."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
+    def __init__(self, reentrant: bool = False):
+        self._kind = threading.RLock if reentrant else threading.Lock
+        self._lock = self._kind()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._renew)
 
     def _renew(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = self._kind()
 
     def __enter__(self):
         self._lock.acquire()

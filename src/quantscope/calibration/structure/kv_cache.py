@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..._locks import ForkSafeLock
 from ..._versions import require
 
 __all__ = ["ROLES", "attach", "attention_modules", "check_asked", "projection"]
@@ -55,8 +55,8 @@ _ACTIVE: weakref.WeakKeyDictionary[nn.Module, Callable[[str, torch.Tensor], torc
 #: one entry per config, whichever models share it (the last to detach restores the choice)
 _CHOSEN: dict[int, tuple[weakref.ref, str | None]] = {}
 #: _ACTIVE's and _CHOSEN's writes and the configs' routing: two threads may attach and detach
-#: models sharing one config (re-entrant: attach routes under it)
-_LOCK = threading.RLock()
+#: models sharing one config (re-entrant: attach routes under it; renewed in a forked child)
+_LOCK = ForkSafeLock(reentrant=True)
 
 
 def check_asked(model: nn.Module, recipes) -> None:
