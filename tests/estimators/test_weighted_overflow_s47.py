@@ -56,3 +56,21 @@ def test_compat_check_names_the_largest_finite_end():
     with pytest.raises(ValueError, match=r"expand=1\.5 .* \(max \|x\| = 3e\+38\)"):
         check_expanded_range(type("Obs", (), {"base_name": "weight"})(), lo, hi, 1.5)
     check_expanded_range(None, lo, hi, 1.0)  # expand 1: nothing to refuse, nothing read
+
+
+def test_float64_units_expanded_past_float32_raise():
+    """s48 review: the rule was tested in the ranges' own dtype, so float64 units near
+    float32's max came back expanded to 5.4e38 (finite in float64, past every float32
+    scale)."""
+    with pytest.raises(ValueError, match=r"expand=1\.8 .* float32's max \(max \|x\| = 3e\+38\)"):
+        weighted_search(_units(3e38).double(), None, SPEC, expand=1.8)
+    lo, hi = weighted_search(_units(1e38).double(), None, SPEC, expand=1.8)
+    assert float(hi[0]) <= 1.8e38 and bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
+def test_compat_half_statistics_name_their_own_dtype():
+    # llm-compressor keeps fp16 data's statistics in fp16 and expands them there
+    lo, hi = torch.tensor([-1.0], dtype=torch.half), torch.tensor([40000.0], dtype=torch.half)
+    with pytest.raises(ValueError, match=r"past float16's max \(max \|x\| = 4e\+04\)"):
+        check_expanded_range(type("Obs", (), {"base_name": "weight"})(), lo, hi, 1.8)
+    check_expanded_range(None, lo.float(), hi.float(), 1.8)  # finite in float32

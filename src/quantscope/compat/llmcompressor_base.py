@@ -304,11 +304,11 @@ def check_finite_statistics(observer, *values: torch.Tensor) -> None:
 def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: float) -> None:
     """Refuse finite ranges that a search's ``expand`` takes past float32 (llm-compressor's
     then returns NaN scales, silently), naming ``observer``."""
-    amax = expansion_overflow(lo, hi, expand)
-    if amax is not None:
+    past = expansion_overflow(lo, hi, expand)
+    if past is not None:
         raise ValueError(
-            f"{_who(observer)}: expand={expand} takes the observed range past float32's max "
-            f"(max |x| = {amax:.3g}); llm-compressor returns NaN scales")
+            f"{_who(observer)}: expand={expand} takes the observed range past {past[1]}'s max "
+            f"(max |x| = {past[0]:.3g}); llm-compressor returns NaN scales")
 
 
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:

@@ -72,10 +72,10 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
         raise ValueError(f"imatrix_range: factors must be in [0, 1], got {factors!r}")
     _check_weights(units, weights)
     lo0, hi0 = unit_minmax(units) if ranges is None else ranges
-    amax = expansion_overflow(lo0, hi0, expand)
-    if amax is not None:  # every candidate would be inf: the search would return inf
+    past = expansion_overflow(lo0, hi0, expand)
+    if past is not None:  # every candidate would be inf: the search would return inf
         raise ValueError(f"weighted_search: expand={expand} takes the units' range past "
-                         f"float32's max (max |x| = {amax:.3g})")
+                         f"{past[1]}'s max (max |x| = {past[0]:.3g})")
     if expand != 1.0:
         lo0, hi0 = lo0 * expand, hi0 * expand
     if not float32_sums and patience is None and units.device.type != "cpu":
