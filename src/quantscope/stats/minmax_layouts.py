@@ -11,6 +11,7 @@ import math
 from dataclasses import replace
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import kernels
 from ..kernels import ops
@@ -60,8 +61,12 @@ def _column_kernel(lib, slabs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     runs, R, C = slabs.shape
     shares, threads = _threads(R * C, R), _threads(runs * R * C, runs * R)
     work = torch.empty(threads * 5 * C, dtype=torch.float32)  # (csrc: 5C floats a thread)
-    lib.qs_col_minmax(slabs.data_ptr(), runs, R, C, lo.data_ptr(), hi.data_ptr(),
-                      work.data_ptr(), threads, shares, group, KERNEL_DTYPES[slabs.dtype])
+    failed = lib.qs_col_minmax(slabs.data_ptr(), runs, R, C, lo.data_ptr(), hi.data_ptr(),
+                               work.data_ptr(), threads, shares, group,
+                               KERNEL_DTYPES[slabs.dtype])
+    if failed:  # (sizes the callers never pass)
+        raise RuntimeError(f"qs_col_minmax refused slabs {tuple(slabs.shape)}, group {group}")
+    increment_version((lo, hi))  # written by the C, as in-place torch ops would
 
 
 def layout_minmax(x: torch.Tensor, layout, out_for=None
@@ -77,9 +82,8 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
     every other layout but tokens, the same over ``x``'s memory in its own order
     (:func:`memory_order`). (Blocks with a padded tail: along an axis before the last for one
     leading index, along the last in segments of at least 16.) Elsewhere, any float ``x``: the
-    op ``quantscope::unit_minmax`` on a view of
-    ``x`` (the units as ``[U1, U2, E1, E2]`` for those layouts), or on its units in its own
-    dtype. Always in the units' order (``layout.to_units`` order; tests check both
+    op ``quantscope::unit_minmax`` on a view of ``x`` (the units as ``[U1, U2, E1, E2]`` for
+    those layouts), or on its units in its own dtype. Always in the units' order (``layout.to_units`` order; tests check both
     agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
     no such path here, build the units instead. ``out_for(U)``: two ``[U]`` float32 tensors
     to write into (an observer's ``_minmax_out``), which the act-order pass and the runs
@@ -150,7 +154,7 @@ def _bands(x3: torch.Tensor, rows: int, across: bool = False, out_for=None):
     full, rest = divmod(R, rows)
     lib, shape = _kernel(), (lead, C, full) if across else (lead, full + (rest > 0), C)
     out = out_for(math.prod(shape)) if out_for is not None and not rest else None
-    if out is not None and all(_plain_f32(t, math.prod(shape)) for t in out):
+    if out is not None and _plain_f32(math.prod(shape), *out) and kernels.real(*out):
         lo, hi = (t.view(shape) for t in out)
     else:
         lo, hi = kernels.buffer(*shape), kernels.buffer(*shape)
@@ -248,15 +252,17 @@ def _permuted_runs(x, m, order, layout, out_for=None
     then permuted to ``x``'s."""
     a, size = layout.axis % x.dim(), layout.size
     am = order.index(a)
+    others = [d for d in order if d != a]  # x's axes in m's order, then the run
+    grid = [x.shape[d] for d in others] + [-(-x.shape[a] // size)]
+    back = [others.index(d) for d in range(x.dim()) if d != a] + [len(others)]
+    if back != sorted(back):  # m's units in another order than x's: results are put back
+        out_for = None  # into fresh memory, not the caller's (it would hold m's order)
     if am < m.dim() - 1 or m.shape[-1] % size:  # slabs whose columns are units, or tiles
         found = _segment_minmax(m, replace(layout, axis=am), out_for)
     else:  # runs of m's rows: m's units are rows of its memory
         found = unit_minmax(m.view(-1, size))
     if found is None:
         return None
-    others = [d for d in order if d != a]  # x's axes in m's order, then the run
-    grid = [x.shape[d] for d in others] + [-(-x.shape[a] // size)]
-    back = [others.index(d) for d in range(x.dim()) if d != a] + [len(others)]
     return tuple(t.view(grid).permute(back).reshape(-1) for t in found)
 
 
