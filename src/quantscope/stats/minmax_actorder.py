@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 
 from .. import kernels
 from ..layout import Group
-from .minmax import KERNEL_DTYPES, _kernel, _takes_out, _threads
+from .minmax import KERNEL_DTYPES, _kernel, _plain_f32, _threads
 
 __all__ = ["actorder_minmax"]
 
@@ -55,7 +55,7 @@ def actorder_minmax(x: torch.Tensor, layout, out_for=None
     U, size = m.shape[0] * count, layout.size
     perm = layout._perm.to("cpu")  # (g_idx's device: a no-op where it is the CPU's)
     out = None if out_for is None else out_for(U)
-    if out is None or not (_takes_out(out, U, x) and kernels.real(*out)):
+    if out is None or not (_plain_f32(U, *out) and kernels.real(*out)):
         out = kernels.buffer(U), kernels.buffer(U)
     lo, hi = out
     failed = lib.qs_actorder_minmax(m.data_ptr(), m.shape[0], n, m.stride(0), m.stride(1),

@@ -505,24 +505,28 @@ typedef struct {
 #define BATCH 16
 
 #ifdef __AVX2__
+/* The 8 x 8 floats in r0..r7 (a row each) transposed in place (r0: their first column). */
+#define TRANSPOSE8(r0, r1, r2, r3, r4, r5, r6, r7) do {                                    \
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);               \
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);               \
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);               \
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);               \
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);     \
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);     \
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);     \
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);     \
+    r0 = _mm256_permute2f128_ps(s0, s4, 0x20); r1 = _mm256_permute2f128_ps(s1, s5, 0x20);  \
+    r2 = _mm256_permute2f128_ps(s2, s6, 0x20); r3 = _mm256_permute2f128_ps(s3, s7, 0x20);  \
+    r4 = _mm256_permute2f128_ps(s0, s4, 0x31); r5 = _mm256_permute2f128_ps(s1, s5, 0x31);  \
+    r6 = _mm256_permute2f128_ps(s2, s6, 0x31); r7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
+} while (0)
+
 /* The 8 x 8 floats at t (rows C apart) transposed to out (rows step apart). */
 static inline void transpose8(const float *t, int64_t C, float *out, int64_t step) {
-    __m256 r[8], u[8];
+    __m256 r[8];
     for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(t + k * C);
-    for (int k = 0; k < 8; k += 2) {
-        u[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
-        u[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 8; k += 4) {
-        r[k] = _mm256_shuffle_ps(u[k], u[k + 2], 0x44);
-        r[k + 1] = _mm256_shuffle_ps(u[k], u[k + 2], 0xEE);
-        r[k + 2] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0x44);
-        r[k + 3] = _mm256_shuffle_ps(u[k + 1], u[k + 3], 0xEE);
-    }
-    for (int k = 0; k < 4; ++k) {
-        _mm256_storeu_ps(out + k * step, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
-        _mm256_storeu_ps(out + (k + 4) * step, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
-    }
+    TRANSPOSE8(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + k * step, r[k]);
 }
 #endif
 
@@ -596,8 +600,8 @@ static void merge(const cjob_t *jobs, int threads, int64_t C, float *lo, float *
    lo / hi in unit order: slab l * group + g's column c at (l * C + c) * group + g (group 1:
    [runs, C]; runs a multiple of group). Each slab's rows are cut into `shares` (see above).
    Threads take whole slabs where there are several, else shares of the one; work (threads x
-   5C floats) is scratch from the caller. Returns 0 (every exported kernel returns int64:
-   kernels.SIGNATURES). */
+   5C floats) is scratch from the caller. Returns 0, or -1 for sizes no caller passes
+   (exported kernels return int64: kernels.SIGNATURES). */
 int64_t qs_col_minmax(const void *x, int64_t runs, int64_t R, int64_t C, float *lo, float *hi,
                       float *work, int threads, int shares, int64_t group, int dt) {
     if (C < 1 || R < 1 || runs < 1 || group < 1 || runs % group) return -1;  /* (no caller's) */
@@ -737,8 +741,6 @@ int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi
 
 /* ---- activation-order groups, read in place (quantscope.stats.minmax_actorder) ---------- */
 
-#include <stdlib.h>
-
 /* Group(E, g_idx) of an [R, C] matrix at x, strides rs / cs (elements): unit u = r * G + g
    (G = C / E) holds x[r, perm[g * E + k]], k < E, perm the stable argsort of g_idx. */
 typedef struct {
@@ -835,29 +837,7 @@ static int redo(const agroups_t *a, int64_t rows, int threads) {
    from the row kernel's: redo() takes those units, and blocks that hold NaN, again). */
 typedef struct { const agroups_t *a; const int32_t *grp; int64_t b0, b1; } vjob_t;
 
-#define TRANSPOSE8(r0, r1, r2, r3, r4, r5, r6, r7) do {                                    \
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);               \
-    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);               \
-    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);               \
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);               \
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);     \
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);     \
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);     \
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);     \
-    r0 = _mm256_permute2f128_ps(s0, s4, 0x20); r1 = _mm256_permute2f128_ps(s1, s5, 0x20);  \
-    r2 = _mm256_permute2f128_ps(s2, s6, 0x20); r3 = _mm256_permute2f128_ps(s3, s7, 0x20);  \
-    r4 = _mm256_permute2f128_ps(s0, s4, 0x31); r5 = _mm256_permute2f128_ps(s1, s5, 0x31);  \
-    r6 = _mm256_permute2f128_ps(s2, s6, 0x31); r7 = _mm256_permute2f128_ps(s3, s7, 0x31);  \
-} while (0)
-
-/* (load8(): the column kernel's, above) */
-
-static inline float load1(const char *p, int dt) {
-    float f;
-    if (dt == QS_F32) memcpy(&f, p, 4);
-    else widen((const uint16_t *)p, dt, 1, &f);
-    return f;
-}
+/* (load8(), elem() and TRANSPOSE8: the column kernel's, above) */
 
 /* The running min / max of the group at L / H (8 lanes: the block's rows) take v in. */
 static inline void fold8(float *L, float *H, __m256 v) {
@@ -896,7 +876,7 @@ static int block8(const agroups_t *a, const int32_t *grp, const char *x, int64_t
         int nan = 0;
         for (; c < a->C; ++c)  /* the last columns, each row's value alone */
             for (int i = 0; i < 8; ++i) {
-                const float v = load1(x + c * cs + i * rs, dt);
+                const float v = elem(x + c * cs + i * rs, dt);
                 float *l = L + grp[c] * 8 + i, *h = H + grp[c] * 8 + i;
                 *l = v < *l ? v : *l;
                 *h = v > *h ? v : *h;
