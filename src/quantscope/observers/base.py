@@ -38,7 +38,6 @@ from ..stats.minmax import (
     KERNEL_MIN_NUMEL,
     MINMAX_DTYPES,
     extreme_ends,
-    range_overflow,
     record_ends,
     record_non_finite,
     unit_minmax,
@@ -46,6 +45,7 @@ from ..stats.minmax import (
 )
 from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
+from .overflow import range_overflow
 from .shape import record_shape, units_before
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 

@@ -10,7 +10,6 @@ from .._checks import write_refused
 from ..comm import AVG, MAX, MIN
 from ..qparams import QParams, amax_of_range
 from ..stats.minmax import (
-    EMA_OVERFLOW,
     UPDATES,
     minmax_observe,
     op_unit_count,
@@ -21,6 +20,7 @@ from ..stats.minmax import (
 )
 from .base import Observer, is_dtensor, only_observes, tokens_of
 from .minmax_step import CACHES, cpu_step
+from .overflow import EMA_OVERFLOW
 from .registry import register
 
 __all__ = [

@@ -31,8 +31,9 @@ import torch
 from .._checks import check_int
 from ..comm import AVG
 from ..estimators.mse import MAX_SPAN, linear_search, mse_search, pow2_search
-from ..stats.minmax import EMA_OVERFLOW, ema_, ordered
+from ..stats.minmax import ema_, ordered
 from .base import Observer
+from .overflow import EMA_OVERFLOW
 from .registry import register
 
 __all__ = [

@@ -32,10 +32,9 @@ from ..kernels import ops
 from ..kernels import streaming as _streaming
 from ..kernels import triton as _triton
 
-__all__ = ["EMA_OVERFLOW", "KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_",
-           "extreme_ends", "holds_non_finite", "kernel_pass", "minmax_observe", "minmax_update",
-           "op_unit_count", "op_units", "ordered", "range_overflow", "record_ends",
-           "record_non_finite", "torch_unit_minmax", "unit_minmax", "zero_non_finite"]
+__all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
+           "holds_non_finite", "kernel_pass", "minmax_observe", "minmax_update",
+           "op_unit_count", "op_units", "ordered", "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax", "zero_non_finite"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -172,26 +171,6 @@ def ema_(kind: str, c: float, state: torch.Tensor, batch: torch.Tensor) -> None:
         state.mul_(1.0 - c).add_(batch.mul_(c))
     else:
         raise ValueError(f"ema_: unknown kind {kind!r}; expected 'ema' or 'ema_lerp'")
-
-
-#: why a moving average of finite ranges can leave float32 (an observer's ``overflow_cause``)
-EMA_OVERFLOW = ("its moving average of finite ranges overflowed float32: the update "
-                "s + c * (b - s) (torch.ao's, kept bitwise) overflows once b - s does, e.g. "
-                "batches near -2e38 then +2e38")
-
-
-def range_overflow(observer, lo: torch.Tensor, hi: torch.Tensor) -> ValueError | None:
-    """The error for an observer whose range ``lo, hi`` is not finite though no NaN / inf was
-    observed (its flag is clear): its own arithmetic overflowed float32, as its
-    ``overflow_cause`` says; None where the range is finite (another refusal stands) or holds
-    NaN (no overflow of finite values makes one first: a state written into). Only after a
-    refusal: no read-back on the common path."""
-    ends = torch.stack((lo, hi))
-    if bool((ends.abs() < math.inf).all()) or bool(ends.isnan().any()):
-        return None
-    cause = getattr(observer, "overflow_cause", "its state overflowed float32")
-    return ValueError(f"{observer.describe()}: its range is not finite though every value it "
-                      f"observed was (|x| near float32's max, 3.4e38): {cause}")
 
 
 def ordered(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
