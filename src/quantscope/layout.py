@@ -334,12 +334,15 @@ class Group(_Segments):
             if g.numel() and int(g.min()) < 0:
                 raise ValueError(f"Group: g_idx must hold group indices >= 0, got "
                                  f"{int(g.min())}")
+            if g.numel() % self.size:  # (before the group indices: "0..-1" said nothing)
+                raise ValueError(f"Group: g_idx must hold one group index per column, a "
+                                 f"multiple of size={self.size} of them; got {g.numel()}")
             want = (f"Group: g_idx must put exactly size={self.size} columns in each group "
                     f"0..{g.numel() // self.size - 1}")
             if g.numel() and int(g.max()) >= g.numel() // self.size:  # before a count of each
                 raise ValueError(f"{want}; got group index {int(g.max())}")
             counts = torch.bincount(g.long().cpu(), minlength=1)
-            if g.numel() % self.size or (g.numel() and (counts != self.size).any()):
+            if g.numel() and (counts != self.size).any():
                 raise ValueError(f"{want}; got group counts {counts.tolist()[:8]}...")
             perm = torch.argsort(g.long(), stable=True)
             object.__setattr__(self, "g_idx", g)

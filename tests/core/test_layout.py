@@ -160,7 +160,11 @@ def test_a_tile_past_a_whole_dim_is_cut_to_it():
     (lambda: Block(4, axis=-3), (4, 8), "Block: axis -3"),
     (lambda: Tile(2, 2), (8,), "Tile: needs a tensor of at least 2 dims"),
     (lambda: Channel(0), (), "Channel: a 0-d"),
-    (lambda: Group(2, g_idx=torch.tensor([0, 0, 1])), None, "Group: g_idx"),
+    (lambda: Group(2, g_idx=torch.tensor([0, 0, 1])), None,
+     r"Group: g_idx must hold one group index per column, a multiple of size=2 of them; got 3"),
+    # s48 docs probe: a g_idx cut short (a damaged file) had been said as "each group 0..-1"
+    (lambda: Group(64, g_idx=torch.arange(5)), None,
+     r"g_idx must hold one group index per column, a multiple of size=64 of them; got 5"),
     (lambda: Group(2, g_idx=torch.tensor([0, 0, 0, 1])), None, "Group: g_idx must put exactly"),
     # a damaged g_idx's huge id is refused before any count (bincount allocated 8 bytes per id)
     (lambda: Group(2, g_idx=torch.tensor([0, 0, 1, 2**40])), None,

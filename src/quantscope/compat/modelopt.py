@@ -58,7 +58,8 @@ load no state: a ``TensorQuantizer`` built with one (its config takes a calibrat
 ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole (``torch.save``), they
 load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are torch safe
 globals (these two only), and their pickles hold ModelOpt's arguments (the spec is rebuilt
-from them), no other quantscope class.
+from them), no other quantscope class; but ``track_amax=True``'s per-batch numpy amaxes,
+which ``weights_only`` refuses in ModelOpt's pickles too.
 
 Data that is all subnormal (a first grid whose float32 width ``max |x| / num_bins``
 underflows) is estimated on that histogram scaled by a power of two

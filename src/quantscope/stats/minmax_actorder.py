@@ -5,11 +5,13 @@ tensor lies, on the CPU.
 ``argsort(g_idx)``) before its groups are rows: a copy of the whole tensor, and
 ``index_select`` along the last axis is slow (the min-max observers took 13-23x a plain
 ``Group``'s time on a 4096 x 4096 weight, found by probing). The C kernel
-(``qs_actorder_minmax``, ``csrc/unit_minmax.c``) reads each row of the tensor once instead and
-gathers a chunk of its groups at a time, in the permuted order, into a buffer that stays in
-cache, which the row kernel's own reduction then reads: every unit's min / max are the
-permuted copy's bit for bit (NaN propagated, the sign of a -0.0 / +0.0 tie included), the
-threads splitting the units as they split the copy's.
+(``qs_actorder_minmax``, ``csrc/unit_minmax.c``) reads the tensor once instead: with AVX2, 8
+rows at a time, each column's 8 values folded into its group's running min / max (one vector
+lane a row), then the units whose min or max is a zero and the blocks of rows that held NaN
+reduced again in the row kernel's order; without AVX2 (and for those), a chunk of groups at a
+time gathered in the permuted order into a buffer that stays in cache, which the row kernel's
+own reduction reads. Every unit's min / max are the permuted copy's bit for bit (NaN
+propagated, the sign of a -0.0 / +0.0 tie included), whatever the thread count.
 """
 
 from __future__ import annotations
