@@ -53,8 +53,8 @@ read values on the host: the same state (``MaxCalibrator``: the same view by ``a
 shape and dtype; ``track_amax`` tracks it too), so ``compute_amax()``, a copy and a pickle read
 it; it takes the floating-point tensors the native observer takes (integers:
 ``collect``), and NaN / inf there is recorded and refused by ``qparams()`` /
-``compute_amax()`` (a ``ValueError``), as every observer's. As ModelOpt's calibrators (plain objects), they save and
-load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
+``compute_amax()`` (a ``ValueError``), as every observer's. As ModelOpt's calibrators (plain
+objects), they save and load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
 ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole (``torch.save``), they
 load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are torch safe
 globals (these two only), and their pickles hold ModelOpt's arguments (the spec is rebuilt

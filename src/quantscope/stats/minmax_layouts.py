@@ -83,8 +83,8 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
     (:func:`memory_order`). (Blocks with a padded tail: along an axis before the last for one
     leading index, along the last in segments of at least 16.) Elsewhere, any float ``x``: the
     op ``quantscope::unit_minmax`` on a view of ``x`` (the units as ``[U1, U2, E1, E2]`` for
-    those layouts), or on its units in its own dtype. Always in the units' order (``layout.to_units`` order; tests check both
-    agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
+    those layouts), or on its units in its own dtype. Always in the units' order
+    (``layout.to_units`` order; tests check both agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
     no such path here, build the units instead. ``out_for(U)``: two ``[U]`` float32 tensors
     to write into (an observer's ``_minmax_out``), which the act-order pass and the runs
     along an axis before the memory's last (groups / blocks, of ``w.t()`` too) ask for and
