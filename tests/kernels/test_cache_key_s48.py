@@ -5,6 +5,7 @@ only, so the test builds ran the library of an older ``mse_search.c``."""
 
 import ctypes
 import shutil
+import subprocess
 
 import pytest
 
@@ -39,3 +40,13 @@ def test_an_included_source_is_part_of_the_key(tmp_path, monkeypatch, beside):
     second = cache.build("kernel_test", wrapper, [CC], include)
     assert second != first
     assert _answer(second) == 2
+
+
+def test_an_included_source_found_nowhere_is_the_compilers_error(tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(mode=0o700)
+    monkeypatch.setenv("QUANTSCOPE_CACHE", str(cache_dir))
+    wrapper = tmp_path / "kernel_test.c"
+    wrapper.write_text('#include "missing.c"\n')
+    with pytest.raises(subprocess.CalledProcessError):
+        cache.build("kernel_test", wrapper, [CC], tmp_path)

@@ -182,11 +182,12 @@ def _texts(source: Path, include: Path) -> list[bytes]:
     without it served the library built from the old text)."""
     text = source.read_bytes()
     named = sorted(set(re.findall(rb'#include "([^"/]+\.c)"', text)))
-    # where the compiler looks for a quoted name: beside the source first, then -I
-    found = [next(p for p in (source.parent / n.decode(), include / n.decode()) if p.is_file())
-             for n in named]
+    # where the compiler looks for a quoted name: beside the source first, then -I (a name
+    # found in neither: the compiler says so)
+    found = [next((p for p in (source.parent / n, include / n) if p.is_file()), None)
+             for n in map(bytes.decode, named)]
     return ([text] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
-            + [p.read_bytes() for p in found])
+            + [p.read_bytes() for p in found if p is not None])
 
 
 def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
