@@ -23,6 +23,31 @@ def copy_path(x, layout):
     return lo, hi
 
 
+def kernel_copy_path(x, layout):
+    """:func:`copy_path` as the observers' units path reduces the padded copy: the row kernel
+    (``unit_minmax`` with the ends, as forward asks; :func:`copy_path`'s torch reduction
+    can give the other zero where -0.0 and +0.0 tie), then ``unpad_minmax_``."""
+    units = layout.to_units(x)
+    lo, hi = stats.unit_minmax(units, ends=torch.empty(2))
+    minmax_layouts.unpad_minmax_(layout, units, x.shape, lo, hi)
+    return lo, hi
+
+
+def ties(shape, dtype, seed, bad=()):
+    """Mostly -0.0 and +0.0 (a zero min / max, whose sign the order the values meet in
+    decides), some +-1 and -2 (a block or tail of one sign at times), ``bad`` at a few
+    places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(shape).masked_fill_(torch.rand(shape, generator=g) < 0.5, -0.0)
+    p = torch.rand(shape, generator=g)
+    x[p < 0.03] = 1.0
+    x[p > 0.98] = -2.0
+    x[(p > 0.5) & (p < 0.51)] = -1.0
+    for i, v in enumerate(bad):
+        x.view(-1)[(i * 7919 + seed) % x.numel()] = v
+    return x.to(dtype)
+
+
 def tensor(shape, dtype, seed, bad=()):
     """No zeros (a -0.0 / +0.0 tie may come back either way), all of one sign at times (a
     padded unit's min is its values', never the padding's 0), ``bad`` at a few places."""

@@ -72,6 +72,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT, _INT],
         "qs_col_minmax": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT, _I, _INT],
         "qs_actorder_minmax": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _INT, _INT],
+        "qs_padded_minmax": [_P, _I, _I, _I, _P, _P, _INT, _INT],
     },
     "hist_kernel": {
         "qs_hist_bin": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT],

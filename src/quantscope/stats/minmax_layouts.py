@@ -81,15 +81,17 @@ def layout_minmax(x: torch.Tensor, layout, out_for=None
     strided ``x`` too); for a dense ``x`` that is not contiguous (``w.t()``, channels_last),
     every other layout but tokens, the same over ``x``'s memory in its own order
     (:func:`memory_order`). (Blocks with a padded tail: along an axis before the last for one
-    leading index, along the last in segments of at least 16.) Elsewhere, any float ``x``: the
+    leading index; along the last by one pass where the tail is under 32 values
+    (:func:`_padded_rows`), else in segments of at least 16.) Elsewhere, any float ``x``: the
     op ``quantscope::unit_minmax`` on a view of ``x`` (the units as ``[U1, U2, E1, E2]`` for
     those layouts), or on its units in its own dtype. Always in the units' order
-    (``layout.to_units`` order; tests check both agree); a padded unit's range is its real values' (as ``unpad_minmax_`` leaves it). None:
-    no such path here, build the units instead. ``out_for(U)``: two ``[U]`` float32 tensors
-    to write into (an observer's ``_minmax_out``), which the act-order pass and the runs
-    along an axis before the memory's last (groups / blocks, of ``w.t()`` too) ask for and
-    take where they fit (the other paths make new ones: NVFP4 blocks of a 4096 x 4096
-    ``w.t()`` had faulted in 8 MB of fresh pages a call, 2x the contiguous weight's step).
+    (``layout.to_units`` order; tests check both agree); a padded unit's range is its real
+    values' (as ``unpad_minmax_`` leaves it). None: no such path here, build the units
+    instead. ``out_for(U)``: two ``[U]`` float32 tensors to write into (an observer's
+    ``_minmax_out``), which the act-order pass, the padded rows' and the runs along an axis
+    before the memory's last (groups / blocks, of ``w.t()`` too) ask for and take where they
+    fit (the other paths make new ones: NVFP4 blocks of a 4096 x 4096 ``w.t()`` had faulted
+    in 8 MB of fresh pages a call, 2x the contiguous weight's step).
     """
     if x.device.type != "cpu":  # (padded units: the units path takes their zeros out)
         return None if layout.pads_at(x.shape) else _op_layout_minmax(x, layout)
@@ -128,7 +130,8 @@ def _tile_minmax(x: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor] |
     are reduced: a 4000 x 4000 ``tile:128x128`` in 1.0-1.07x a divisible shape's time, where
     row segments ``gcd(C, tile columns)`` wide took 1.3-2.0x. Those segments (at least 16 wide)
     still serve where their results are the fewer (tiles of one row: blocks along the last
-    axis with a padded tail) or the bands of several leading indices are ragged."""
+    axis whose padded tail :func:`_padded_rows` leaves) or the bands of several leading
+    indices are ragged."""
     R, C = x.shape[-2:]
     tr, tc = layout._geometry(x.shape)[4:]  # a tile, or the whole of a smaller dim
     g = math.gcd(C, tc)  # bands where their results are the smaller (or the only)
@@ -192,18 +195,52 @@ def _segment_minmax(x: torch.Tensor, layout, out_for=None
     ``to_units`` would copy ``x`` to move the axis last (10x slower, found by probing). A
     block's padded tail too (one leading index: a matrix's axis 0, a transposed weight),
     its range its real values', where ``to_units`` padded and copied ``x`` (12-37x); along
-    the last axis, tiles of one row (:func:`_tile_minmax`). ``out_for``: as :func:`_bands`'."""
+    the last axis, :func:`_padded_rows`, else tiles of one row (:func:`_tile_minmax`).
+    ``out_for``: as :func:`_bands`'."""
     if x.dim() < 2 or not -x.dim() <= layout.axis < x.dim():
         return None  # the units path says what is wrong
     a = layout.axis % x.dim()
     n, size = x.shape[a], layout.size
     lead, trail = math.prod(x.shape[:a]), math.prod(x.shape[a + 1:])
-    if a == x.dim() - 1 and n % size:  # rows' runs with a padded tail: tiles of one row
-        return _tile_minmax(x.view(-1, n), Tile(1, size))
+    if a == x.dim() - 1 and n % size:  # rows' blocks with a padded tail
+        found = _padded_rows(x.view(-1, n), size, out_for)
+        return found if found is not None else _tile_minmax(x.view(-1, n), Tile(1, size))
     if a == x.dim() - 1 or size < 2 or trail < 16 or (n % size and lead > 1):
         return None  # units are rows of x already, small slabs, or ragged runs of several
     lo, hi = _bands(x.view(lead, n, trail), size, across=True, out_for=out_for)
     return lo.view(-1), hi.view(-1)
+
+
+#: a padded block's tail is reduced as torch's ``amin`` / ``amax`` reduce a row (of a
+#: strided ``[rows, tail]``: ``unpad_minmax_``'s) of fewer values than this: one at a time, in
+#: order, the first of a -0.0 / +0.0 tie winning (longer rows: its vector lanes' order)
+SCALAR_TAIL = 32
+
+
+def _padded_rows(m: torch.Tensor, size: int, out_for=None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Blocks of ``size`` along the rows of a contiguous ``m [R, W]`` whose last block is
+    zero-padded (MXFP4 / NVFP4 blocks of a 2050- or 4008-wide weight), by one C pass over
+    ``m`` where it lies (``qs_padded_minmax``), in the units' order, into ``out_for(U)``
+    where it fits: the padded copy's per-unit ranges bit for bit (the row kernel's on its
+    full blocks, NaN and a tying zero's sign included; a padded block's its real values', as
+    ``unpad_minmax_`` leaves it), where ``to_units`` padded and copied ``m`` (11-13x a
+    divisible width's CPU time in float32, 2.4-4.0x in bf16, found by probing; now 1.1-1.5x
+    and 1.0-1.5x). None where ``unpad_minmax_`` takes another order (a tail of
+    ``SCALAR_TAIL`` values or more; one row: a whole-tensor reduction) or a block is longer
+    than the kernel's buffer (2048)."""
+    R, W = m.shape
+    U = R * -(-W // size)
+    if R < 2 or W % size >= SCALAR_TAIL:
+        return None
+    out = None if out_for is None else out_for(U)
+    if out is None or not (_plain_f32(U, *out) and kernels.real(*out)):
+        out = kernels.buffer(U), kernels.buffer(U)
+    lo, hi = out
+    failed = _kernel().qs_padded_minmax(m.data_ptr(), R, W, size, lo.data_ptr(), hi.data_ptr(),
+                                        _threads(U * size, U), KERNEL_DTYPES[m.dtype])
+    increment_version(out)  # written by the C, as in-place torch ops would
+    return None if failed else out
 
 
 def memory_order(x: torch.Tensor) -> list[int] | None:

@@ -70,6 +70,17 @@ static inline void ends_add(ends_t *e, float lo, float hi, int bad) {
     e->nan |= bad;
 }
 
+/* n values at r into the running lo / hi / NaN flag one at a time, in order: a tie keeps
+   the earlier value (row()'s last elements; a padded block's real values, qs_padded_minmax). */
+static inline void scan(const float *r, int64_t n, float *lo, float *hi, int *bad) {
+    for (int64_t j = 0; j < n; ++j) {
+        const float v = r[j];
+        *lo = v < *lo ? v : *lo;
+        *hi = v > *hi ? v : *hi;
+        *bad |= v != v;
+    }
+}
+
 /* Min / max of one row of E float32 (NaN propagates: tracked in a separate mask, since the
    min / max instructions drop NaN); the share's ends take it in. */
 static void row(const float *r, int64_t E, float *lo, float *hi, ends_t *e) {
@@ -105,12 +116,7 @@ static void row(const float *r, int64_t E, float *lo, float *hi, ends_t *e) {
         bad = _mm256_movemask_ps(n) != 0;
     }
 #endif
-    for (; j < E; ++j) {
-        float v = r[j];
-        lo_ = v < lo_ ? v : lo_;
-        hi_ = v > hi_ ? v : hi_;
-        bad |= v != v;
-    }
+    scan(r + j, E - j, &lo_, &hi_, &bad);
     *lo = bad ? NAN : lo_;
     *hi = bad ? NAN : hi_;
     ends_add(e, lo_, hi_, bad);
@@ -736,6 +742,101 @@ int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi
     }
     ends[0] = l;
     ends[1] = h;
+    return 0;
+}
+
+/* ---- blocks with a zero-padded tail along the last axis, read in place ------------------ */
+
+/* Rows of W elements of type dt at x cut into N = ceil(W / E) blocks of E, the last of each
+   row holding W - (N - 1) E real values: the units of the zero-padded copy that
+   quantscope.layout.Block.to_units makes (unit u = r N + k), read from x itself. */
+typedef struct { const char *x; int dt; int64_t W, E, N; float *lo, *hi; } padded_t;
+
+/* n units from row r's block k on, as the padded copy holds them, as float32 into buf (n E
+   floats): each row's run of them from x (bf16 / fp16 widened), then its padding's zeros
+   (+0.0, as the copy's). */
+static void padded_units(const padded_t *p, int64_t r, int64_t k, int64_t n, float *buf) {
+    const int64_t E = p->E, z = p->dt == QS_F32 ? 4 : 2;
+    for (int64_t m; n; n -= m, ++r, k = 0, buf += m * E) {
+        m = n < p->N - k ? n : p->N - k;
+        const int64_t real = m * E < p->W - k * E ? m * E : p->W - k * E;
+        const char *s = p->x + (r * p->W + k * E) * z;
+        if (p->dt == QS_F32) memcpy(buf, s, (size_t)real * 4);
+        else widen((const uint16_t *)s, p->dt, real, buf);
+        memset(buf + real, 0, (size_t)(m * E - real) * 4);
+    }
+}
+
+/* The padded units among the n at buf (padded_units()'s, from a row's block k; their
+   results at lo / hi) take their real values' min / max by scan(): the copy's range once
+   its zeros are taken out (stats.minmax_layouts.unpad_minmax_: torch's amin / amax, whose
+   loop over a row of fewer than 32 values takes them in order, the first of a tie winning;
+   the caller keeps to such tails). */
+static void unpad(const padded_t *p, int64_t k, int64_t n, const float *buf, float *lo,
+                  float *hi) {
+    const int64_t real = p->W - (p->N - 1) * p->E;
+    for (int64_t i = p->N - 1 - k; i < n; i += p->N) {
+        float l = INFINITY, h = -INFINITY;
+        int bad = 0;
+        scan(buf + i * p->E, real, &l, &h, &bad);
+        lo[i] = bad ? NAN : l;
+        hi[i] = bad ? NAN : h;
+    }
+}
+
+typedef struct { const padded_t *p; int64_t u0, u1; } pjob_t;
+
+/* Units [u0, u1), a share of the copy's as qs_unit_minmax cuts it, as the row kernel reduces
+   that share of the copy: float32 runs of whole quads of a row's full blocks (rows4()'s,
+   counted from the share's start) where they lie; the rest (a quad that holds a padded
+   block or crosses a row's end; bf16 / fp16 in rows_of()'s pieces) through buf as the copy
+   holds it. The same lanes meet the same values: the copy's min / max bit for bit, NaN and
+   the sign of a zero that ties included (which rows4() or row() takes a unit decides it).
+   Unit u is row r's block k (no division per piece: they cost as much as a quad). No
+   streaming stores: staging the results for them measured no faster. */
+static void *prun(void *q) {
+    const pjob_t *j = (const pjob_t *)q;
+    const padded_t *p = j->p;
+    const int64_t E = p->E, N = p->N;
+    const int64_t piece = p->dt == QS_F32 ? (PIECE / E < 4 ? PIECE / E : 4) : PIECE / E;
+    float buf[PIECE];
+    ends_t e = {INFINITY, -INFINITY, 0};  /* (unused: the caller derives the ends) */
+    int64_t r = j->u0 / N, k = j->u0 % N;
+    for (int64_t u = j->u0, n; u < j->u1; u += n, k += n) {
+        if (k >= N) {  /* (the last piece crossed a row's end) */
+            r += k / N;
+            k %= N;
+        }
+        const int64_t full = N - 1 - k < j->u1 - u ? N - 1 - k : j->u1 - u;
+        n = p->dt == QS_F32 ? full / 4 * 4 : 0;
+        if (n) {
+            rows((const float *)p->x + r * p->W + k * E, E, 0, n, p->lo + u, p->hi + u, &e, 0);
+            continue;
+        }
+        n = j->u1 - u < piece ? j->u1 - u : piece;
+        padded_units(p, r, k, n, buf);
+        rows(buf, E, 0, n, p->lo + u, p->hi + u, &e, 0);
+        unpad(p, k, n, buf, p->lo + u, p->hi + u);
+    }
+    return NULL;
+}
+
+/* Per-unit min / max of the blocks of E along the rows of a contiguous [R, W] of type dt
+   whose last block is zero-padded (W % E != 0; E <= PIECE), in the padded copy's unit
+   order, on `threads` (the copy's count: its cut into shares decides which units rows4()
+   takes): the row kernel's results on the copy bit for bit, a padded block's its real
+   values' (unpad()). Returns 0, or -1 (bad sizes: the caller copies). */
+int64_t qs_padded_minmax(const void *x, int64_t R, int64_t W, int64_t E, float *lo, float *hi,
+                         int threads, int dt) {
+    if (E < 1 || E > PIECE || R < 1 || W < 1 || W % E == 0) return -1;
+    if (threads > QS_MAXT) threads = QS_MAXT;
+    if (threads < 1) threads = 1;
+    const padded_t p = {(const char *)x, dt, W, E, (W + E - 1) / E, lo, hi};
+    const int64_t U = R * p.N;
+    pjob_t jobs[QS_MAXT];
+    for (int t = 0; t < threads; ++t)
+        jobs[t] = (pjob_t){&p, U * t / threads, U * (t + 1) / threads};
+    qs_run_jobs(prun, jobs, sizeof jobs[0], threads);
     return 0;
 }
 
