@@ -256,9 +256,9 @@ def test_tile_numels_are_the_torch_paths(monkeypatch):
     seen = []
     real = mse_tiles._tile_error
 
-    def spy(x, scale, zp, spec, norm, exact):
+    def spy(x, scale, zp, spec, norm, exact, *rest):
         seen.append(scale.shape[0] * x.shape[0] * x.shape[1])
-        return real(x, scale, zp, spec, norm, exact)
+        return real(x, scale, zp, spec, norm, exact, *rest)
 
     monkeypatch.setattr(mse_tiles, "_tile_error", spy)
     for rows, cols, chunk, grid, cc in ((37, 128, 4096, (0.2, 100), None),

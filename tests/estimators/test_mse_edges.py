@@ -32,7 +32,8 @@ def _true_error(units, lo, hi, spec):
 
 
 def _huge_units():
-    """Unit 0 ordinary, units 1 and 2 so large that every float32 squared error overflows."""
+    """Unit 0 ordinary, units 1 and 2 so large that every float32 squared error overflows
+    (``float32_squares``: the compat classes' arithmetic; exact float64 squares do not)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=g)
     x[1:] *= 1e22
@@ -43,12 +44,14 @@ def _huge_units():
 @pytest.mark.parametrize("rule", [{"patience": None}, {"patience": 2, "per_unit_patience": False},
                                   {"patience": 2}])
 def test_overflowed_errors_never_replace_the_best(backend, rule):
-    # linear_search's search (tie last) on weights whose every candidate's error is inf:
-    # no inf candidate replaces the min-max incumbent, so the range is min-max's
+    # linear_search's search (tie last) on weights whose every candidate's error is inf
+    # (squares rounded to float32, as Horizon's compat class prices them): no inf candidate
+    # replaces the min-max incumbent, so the range is min-max's
     spec = QuantSpec("int8", "tensor")
     x = _huge_units()
     lo, hi = unit_minmax(x)
     amax = torch.maximum(-lo, hi)
+    rule = {**rule, "float32_squares": True}
     res = mse_search(x, -amax, amax, spec, factors=LINEAR, tie="last", global_grid=1,
                      backend=backend, **rule)
     assert torch.isinf(res.error[1:]).all()  # the case: every error overflowed
@@ -248,16 +251,24 @@ def test_triton_select_keeps_a_finite_best_over_inf(use_global):
     assert torch.equal(best.cpu(), want[1])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # inf's NaN prices
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("use_global", [False, True])
-def test_triton_mx_search_never_takes_an_overflowed_candidate(use_global):
+def test_triton_mx_search_never_takes_a_non_finite_candidate(use_global):
     from quantscope.kernels import block_ops
 
     dev = _triton_device()
-    x = _huge_units().reshape(-1, 32)[2:].contiguous().to(dev)  # every error overflows
-    lo, hi = unit_minmax(x)
+    huge = _huge_units().reshape(-1, 32)[2:].contiguous()
+    held = huge.clone()
+    held[:, 5] = float("inf")  # every candidate's error, the incumbent's too, is NaN
     f = torch.tensor(LINEAR[:20], device=dev)
     rules = (20, 2 if use_global else -1, False, use_global, True)
-    want = block_ops._torch_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
-    got = block_ops._cuda_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
-    assert want[0].tolist() == [-1] * x.shape[0]
-    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+    # ~1e22: the squares exact in float64, every price finite; with inf: none, min-max kept
+    for x, finite in ((huge.to(dev), True), (held.to(dev), False)):
+        lo, hi = unit_minmax(x)
+        want = block_ops._torch_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
+        got = block_ops._cuda_mx_mse(x, lo, hi, f, lo, hi, "fp8_e4m3", "floor", *rules)
+        assert bool(torch.isfinite(want[1]).all()) if finite else \
+            want[0].tolist() == [-1] * x.shape[0]
+        assert torch.equal(got[0].cpu(), want[0].cpu())
+        torch.testing.assert_close(got[1].cpu(), want[1].cpu(), rtol=0, atol=0, equal_nan=True)

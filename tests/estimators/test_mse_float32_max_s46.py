@@ -23,8 +23,8 @@ SPECS = [QuantSpec("int8"), QuantSpec("fp8_e4m3", "channel:0"),
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_pow2_mse_at_float32_max_keeps_min_max(spec):
-    # every candidate's float32 squared error overflows at |x| ~ 3.4e38 (the x4 and x2 ranges
-    # are inf, the others price inf): min-max stands, as pow2_search's docstring says
+    # at |x| ~ 3.4e38 the x4 and x2 ranges are inf (priced NaN, never chosen), and min-max
+    # (x1) prices lowest of the others (its squares exact in float64): min-max stands
     w = torch.tensor([[F, -1.0, 2.0, 0.5]])
     mm, p2 = (quantscope.get_observer(n, spec) for n in ("memoryless_minmax", "pow2_mse"))
     mm(w), p2(w)

@@ -3,9 +3,10 @@
 ``mse_price_fp`` with ``weights``) against a float64 torch reference, and
 ``weighted_search``'s choices on the kernel bitwise equal to its torch path's.
 
-The arithmetic (estimators.weighted): ``sum_e float64(w_e) * float64(d_e * d_e)``, ``d`` the
-float32 fake-quant error; the reference below sums the same terms with ``math.fsum`` (exact),
-so the kernel's sum differs only by its rounding (1e-12)."""
+The arithmetic (estimators.weighted): ``sum_e float64(w_e) * (float64(d_e) * float64(d_e))``,
+``d`` the float32 fake-quant error (its square exact in float64); the reference below sums the
+same terms with ``math.fsum`` (exact), so the kernel's sum differs only by its rounding
+(1e-12)."""
 
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ def _price(units, scale, zp, spec, weights):
 
 
 def _reference(units, scale, zp, spec, weights):
-    """Exact (fsum) sums of float64(w) * float64(d * d), d from fake_quantize_units."""
+    """Exact (fsum) sums of float64(w) * float64(d) ** 2, d from fake_quantize_units."""
     out = torch.empty(scale.shape, dtype=torch.float64)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zp[k, :, None].float(), spec) - units
-        terms = weights.double() * d.square().double()
+        terms = weights.double() * d.double().square()
         for u in range(units.shape[0]):
             out[k, u] = math.fsum(terms[u].tolist())
     return out

@@ -382,11 +382,12 @@ def test_int_qparams_bitwise(device, spec):
 # ---- the MSE search's pricing --------------------------------------------------------------
 
 def _price_reference(units, scale, zp, spec, norm=2.0):
-    """float64 sums of torch's float32 squared fake-quant errors (``d.square()``, as
-    mse_tiles and the C kernel square them; another ``norm``: ``d.abs().pow(norm)``, as
-    llm-compressor's error), candidate by candidate, on ``units``' device."""
+    """float64 sums of the float32 fake-quant errors' squares, exact in float64 (as
+    mse_tiles and the C kernel square them; another ``norm``: torch's float32
+    ``d.abs().pow(norm)``, as llm-compressor's error), candidate by candidate, on ``units``'
+    device."""
     def term(d):
-        return d.square() if norm == 2.0 else d.abs().pow(norm)
+        return d.double().square() if norm == 2.0 else d.abs().pow(norm)
 
     rows = [term(fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units)
             .double().sum(1) for s, z in zip(scale, zp, strict=True)]
@@ -409,7 +410,7 @@ def test_mse_price_int(device, spec, U, E, blocks):
     got = mse.mse_price_int(units.to(device), scale.to(device), zp.to(device), spec.qmin,
                             spec.qmax, **blocks)
     assert got.dtype == torch.float64 and got.shape == want.shape
-    # the float64 sum of float32 squares: equal up to its order (the C kernel's contract)
+    # the float64 sum of exact squares: equal up to its order (the C kernel's contract)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=0)
 
 

@@ -148,7 +148,7 @@ def _flat(out) -> list:
 @pytest.mark.parametrize("name", list(_cases()))
 def test_cuda_op_equals_cpu_op(name):
     """The Triton kernels (the CUDA implementations) give the CPU's bits; the float64 error
-    sums (the same float32 squares) agree up to their order of summation, a fractional
+    sums (the same exact squares) agree up to their order of summation, a fractional
     power's up to the devices' powf (an ulp a term: 1.4e-7 of a sum on an H200)."""
     op, args = _cases()[name]
     cuda_args = _cases("cuda")[name][1]
@@ -314,7 +314,7 @@ def _fp_case(name: str, device="cpu"):
 @pytest.mark.parametrize("name", FP_FORMATS)
 def test_mse_price_fp_cpu_is_the_c_kernel(name):
     """On the CPU the op is the C kernel (``estimators.mse_kernel.price``, bit for bit) where
-    it is built; its torch path (units not contiguous) sums the same float32 squares in
+    it is built; its torch path (units not contiguous) sums the same exact squares in
     another order: they agree to 1e-12 (NaN and inf alike)."""
     from quantscope import kernels
     from quantscope.estimators import mse_kernel

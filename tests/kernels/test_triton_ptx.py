@@ -27,7 +27,8 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "out_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
-          "FLOAT": "constexpr", "WEIGHTED": "constexpr", "NORM": "constexpr"}
+          "FLOAT": "constexpr", "WEIGHTED": "constexpr", "NORM": "constexpr",
+          "SQ32": "constexpr"}
 #: what every kernel of kernels/triton/block_search.py takes (its ``_ranges``), and their
 #: constants (NVFP4's e4m3 block scales; ``ENC`` / ``TOP`` for the kernels that take MX's too)
 _BLOCK_RANGES = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "f_ptr": "*fp32", "ilo_ptr": "*fp32",
@@ -57,7 +58,7 @@ _NVFP4 = {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "amax_ptr": "*fp32", "out_ptr": 
           "n": "i32", "fmax": "fp32", "bmax": "fp32", "min_scale": "fp32", "gs_ptr": "*fp32",
           "MIN_EXP": "constexpr", "MBITS": "constexpr", "BLOCK_N": "constexpr"}
 _PRICE_CONST = {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True, "WEIGHTED": False,
-                "NORM": 2.0}
+                "NORM": 2.0, "SQ32": False}
 CASES = {
     "fakequant._fake_quant_kernel": (
         {"x_ptr": "*bf16", "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32", "U": "i32",
@@ -72,6 +73,8 @@ CASES = {
     "mse._price_kernel:weighted": (  # the imatrix search's weights (WEIGHTED)
         {**_PRICE, "z_ptr": "*fp32"}, {**_PRICE_CONST, "BLOCK_E": 1024, "ONE_TILE": False,
                                        "FLOAT": True, "WEIGHTED": True}),
+    "mse._price_kernel:sq32": (  # the compat classes' squares, rounded to float32
+        _PRICE, {**_PRICE_CONST, "FLOAT": False, "SQ32": True}),
     "mse._price_kernel:cube": (  # llm-compressor's norms: 3 is |d| * |d| * |d|, as torch's
         _PRICE, {**_PRICE_CONST, "FLOAT": False, "NORM": 3.0}),
     "mse._price_kernel:sqrt": (  # 0.5: torch's pow calls sqrt, the IEEE one on CUDA
@@ -215,10 +218,13 @@ def test_kernels_compile_for_sm90_with_ieee_float32():
     # E8M0 rceil divides nothing: ceil(log2(amax / fmax)) from both exponents and mantissas
     for name in ("block_search._select_kernel:mx", "block_qparams._e8m0_kernel"):
         assert not [op for op in found[name] if op.startswith("div")], (name, found[name])
-    for name in ("mse._price_kernel:weighted", "block_search._search_kernel:weighted",
-                 "block_search._price_kernel:mx_int"):  # float64(w) * float64(d * d)
+    # every native price squares in float64, where the square is exact (and weights:
+    # float64(w) * that); SQ32 (a compat class's toolkit arithmetic) squares in float32
+    for name in ("mse._price_kernel", "mse._price_kernel:fp", "mse._price_kernel:weighted",
+                 "block_search._search_kernel", "block_search._search_kernel:weighted",
+                 "block_search._price_kernel", "block_search._price_kernel:mx_int"):
         assert "mul.rn.f64" in found[name], name
-    assert "mul.rn.f64" not in found["block_search._search_kernel"]
+    assert "mul.rn.f64" not in found["mse._price_kernel:sq32"]
     assert "div.rn.f32" in found["block_qparams._nvfp4_kernel"]
     assert {"mul.rn.f32", "add.rn.f32"} <= set(found["minmax._state_kernel:lerp"])
     assert {"div.rn.f64", "sub.rn.f64"} <= set(found["histogram._regrid_kernel"])

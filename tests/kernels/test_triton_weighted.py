@@ -92,8 +92,8 @@ def test_weighted_prices_bitwise_where_the_sum_is_exact(device, blocks):
     assert torch.equal(got, _reference(units, scale, zp, spec, weights))
 
 
-def test_unit_weights_give_the_exact_squares_rounded_to_float32(device):
-    """w = 1: the C kernel's unweighted terms (float32 squares), not the exact squares."""
+def test_unit_weights_give_the_unweighted_exact_squares(device):
+    """w = 1: the C kernel's unweighted terms, the squares exact in float64."""
     g = torch.Generator().manual_seed(3)
     units = torch.randn(4, 32, generator=g)
     spec = QuantSpec("int8")
@@ -101,5 +101,5 @@ def test_unit_weights_give_the_exact_squares_rounded_to_float32(device):
     got = _triton_price(device, units, scale, zp, spec, torch.ones_like(units))
     d = [fake_quantize_units(units, s[:, None], z[:, None].float(), spec) - units
          for s, z in zip(scale, zp, strict=True)]
-    torch.testing.assert_close(got, torch.stack([x.square().double().sum(1) for x in d]),
+    torch.testing.assert_close(got, torch.stack([x.double().square().sum(1) for x in d]),
                                rtol=1e-12, atol=0)

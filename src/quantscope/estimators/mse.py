@@ -39,13 +39,15 @@ their error never exceeds min-max's, on the float32 values of the tensor: candid
 priced by their float32 fake-quant outputs (observers convert bfloat16 / float16 inputs to
 float32), and the rounding of the output to bfloat16 / float16 is not priced, so there the
 chosen range can be slightly worse than min-max (measured: +0.7 % on an int8 per-channel
-case; fp8 per tensor +2.6 % in one sample, up to +3.9 % over 600 tensors). A non-finite
-error (float32 squares that overflow) never replaces the best so far, under either ``tie``;
-nor does a candidate whose range is not finite (a factor > 1 of values near float32's max:
+case; fp8 per tensor +2.6 % in one sample, up to +3.9 % over 600 tensors). Each squared
+error is exact in float64 (``float64(d) * float64(d)``, every engine): squares rounded to
+float32 lose precision below ``|d|`` ~ 1e-19 and underflow to 0 below ~3e-23, where a unit's
+candidates tied at 0 and the tie rule, not the error, picked (pow2 / linear were measured up
+to 16x / 88x worse than min-max there), and overflow past ~1.8e19. ``float32_squares`` keeps
+that arithmetic for the compat classes whose toolkit squares in float32. A non-finite error
+(a NaN price) never replaces the best so far, under either ``tie``; nor does a candidate
+whose range is not finite (a factor > 1 of values near float32's max:
 ``mse_tiles.candidate_qparams`` prices it NaN), so no search returns a range past float32.
-Float32 squares also *underflow* (``|d|`` below ~3e-23): on units of tiny values candidates
-tie at 0 and the tie rule, not the error, picks (docs/guide/observers.md: pow2 / linear up to
-16x / 88x worse than min-max there).
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
                tie: str = "first", compat: str | None = None,
                extend_to: float | None = 0.5, chunk_elems: int | None = None,
                chunk_candidates: int | None = None, early_stop: bool | None = None,
-               backend: str | None = None, incumbent: bool = True) -> SearchResult:
+               backend: str | None = None, incumbent: bool = True,
+               float32_squares: bool = False) -> SearchResult:
     """Per-unit range minimizing ``sum(|fake_quant(x) - x| ** norm)`` over shrink candidates.
 
     Args:
@@ -228,6 +231,9 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
             (index -1; True); False: the first candidate is the first best, as in Quark's
             power-of-two search (:func:`pow2_search`, whose candidates include factor 1);
             the torch tiles or the ops then search (the C kernel needs the incumbent).
+        float32_squares: each squared error ``d * d`` rounded to float32, not exact in
+            float64: the arithmetic of a toolkit a compat class imitates (Horizon's
+            ``linalg.norm``; ``compat="llmcompressor"`` always; module doc).
 
     Returns:
         :class:`SearchResult` ``(lo, hi)`` with ``.error``, ``.global_amax``, ``.index``.
@@ -239,7 +245,8 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         compat, tie, patience, expand, backend, chunk_elems, global_grid,
         chunk_candidates=chunk_candidates, ends_grid=ends_grid,
         per_unit_patience=per_unit_patience, encoding_aware=encoding_aware,
-        independent_ends=independent_ends, incumbent=incumbent)
+        independent_ends=independent_ends, incumbent=incumbent,
+        float32_squares=float32_squares)
     exact = compat == "llmcompressor"
     search = _engine(units, spec, norm, exact, backend, incumbent)
     if exact:  # their search: global patience, their grid; NVFP4's block scales in float32
@@ -268,7 +275,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
           "tie": tie, "exact": exact, "chunk_elems": int(chunk_elems),
           "chunk_candidates": chunk_candidates, "early_stop": early_stop,
           "incumbent": None if exact or not incumbent else (base_lo, base_hi),
-          "extend": extend}
+          "extend": extend, "float32_squares": float32_squares or exact}
     search_spec = spec if encoding_aware else _blind(spec)
     if exact and search is mse_tiles.search:  # the kernel prices, torch settles near ties
         search = mse_compat.engine(units, search_spec, kw, len(f_lo), backend) or search
@@ -452,17 +459,18 @@ def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor 
 
 def linear_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
                   spec: QuantSpec, *, stride: int = 1, norm: float = 2.0,
-                  chunk_elems: int | None = None) -> SearchResult:
+                  chunk_elems: int | None = None,
+                  float32_squares: bool = False) -> SearchResult:
     """Horizon's MSE search: ``amax * (1 - 0.01 i)`` for ``i`` in ``range(0, 95, stride)``.
 
-    Symmetric ranges ``(-c, c)`` around zero, L2 error, the last minimum wins.
-    """
+    Symmetric ranges ``(-c, c)`` around zero, L2 error, the last minimum wins
+    (``float32_squares``: :func:`mse_search`'s; Horizon's compat class sets it)."""
     stride = check_int("linear_search", "stride", stride, 1, 94)  # not a bool
     units, lo, hi = _check(units, lo, hi, spec, norm)
     amax = amax_of_range(lo, hi).clamp(min=0)
     return mse_search(units, -amax, amax, spec, factors=[1 - 0.01 * i for i in range(0, 95, stride)],
                       norm=norm, patience=None, tie="last", global_grid=1,
-                      chunk_elems=chunk_elems)
+                      chunk_elems=chunk_elems, float32_squares=float32_squares)
 
 
 def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
@@ -474,10 +482,11 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     binades, so the candidates are the factors ``4, 2, 1, 1/2, 1/4`` (span 2), the
     first strict minimum winning as in Quark (which tries the largest scale first): no
     separate min-max incumbent, factor 1 (min-max) is the middle candidate, so the (priced)
-    result is still never worse than min-max. Where no candidate's error is finite (values
-    past ~1e19: their squares overflow float32), min-max stands, as in Quark, whose best
-    starts as min-max with an infinite error (the first candidate would be 4x it); a candidate
-    whose range overflows float32 (x2, x4 of values near its max) is never chosen.
+    result is still never worse than min-max. Where no candidate's error is below float32's
+    largest value (the search's first best, 3.4e38: values past ~1e19), min-max stands, as
+    in Quark, whose float32 errors overflow there and whose best starts as min-max with an
+    infinite error (the first candidate would be 4x it); a candidate whose range overflows
+    float32 (x2, x4 of values near its max) is never chosen.
     """
     check_int("pow2_search", "span", span, 0, MAX_SPAN)
     units, lo, hi = _check(units, lo, hi, spec, norm)

@@ -10,13 +10,15 @@ with plain threads over units (built by :mod:`quantscope.kernels`):
   :func:`~quantscope.qdq.fake_quantize_units` rounds it (``x / scale``,
   ``+ zp``, round half to even, clamp, ``(q - zp) * scale``, minus ``x``; built
   with ``-ffp-contract=off``). Each ``d`` is float32 as in torch; its square is
-  exact in float64 and the sum is accumulated in float64, so the error is the
-  float64 sum of torch's squared errors up to summation order (tests compare
-  against a float64 torch reference at 1e-12). Float element formats (fp4 / fp6 / fp8: MX
-  and NVFP4 blocks, whose scale, NVFP4's global scale folded in, comes from the same
-  ``qparams_from_range``) round as :meth:`~quantscope.formats.FloatFormat.round` does: the
-  step ``2 ** (e - mbits)`` from ``x / scale``'s exponent field, half to even, saturating
-  (the ``_fp`` entry points). A candidate whose scale and zero
+  taken in float64, where it is exact, and the sum is accumulated in float64, so the error
+  is the float64 sum of the exact squared errors up to summation order (tests compare
+  against a float64 torch reference at 1e-12). ``float32_squares`` rounds each square to
+  float32 first (``d * d`` as torch's ``d.square()``: a compat class's toolkit
+  arithmetic). Float element formats (fp4 / fp6 / fp8: MX and NVFP4 blocks, whose scale,
+  NVFP4's global scale folded in, comes from the same ``qparams_from_range``) round as
+  :meth:`~quantscope.formats.FloatFormat.round` does: the step ``2 ** (e - mbits)`` from
+  ``x / scale``'s exponent field, half to even, saturating (the ``_fp`` entry points). A
+  candidate whose scale and zero
   point equal the previous one's (the min-max incumbent and ``p = 1``, plateaus
   of encoded scales) reuses its error, bit for bit.
 * **Selection.** :func:`step` applies the rules of ``mse._State.step``
@@ -72,7 +74,8 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
 
 
 def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-          spec: QuantSpec, sub: torch.Tensor | None = None) -> torch.Tensor:
+          spec: QuantSpec, sub: torch.Tensor | None = None, *,
+          float32_squares: bool = False) -> torch.Tensor:
     """Squared error of every candidate ``(scale, zero_point) [k, n]`` on units ``sub``
     (all when None) of float32 ``units [U, E]``: float64 ``[k, n]``."""
     units = units.contiguous()
@@ -89,10 +92,10 @@ def price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     if spec.is_float:
         fmt = spec.format
         _lib().qs_mse_price_fp_w(*args, fmt.max, fmt.min_exp, fmt.mbits, out.data_ptr(),
-                                 kernels.threads())
+                                 kernels.threads(), int(float32_squares))
     else:
         _lib().qs_mse_price_w(*args, float(spec.qmin), float(spec.qmax), out.data_ptr(),
-                              kernels.threads())
+                              kernels.threads(), int(float32_squares))
     return out
 
 
@@ -118,8 +121,9 @@ class KernelState:
     candidate ``idx`` (the caller rebuilds it from the factors, as it built the candidates).
     """
 
-    def __init__(self, units: torch.Tensor, spec: QuantSpec):
+    def __init__(self, units: torch.Tensor, spec: QuantSpec, float32_squares: bool = False):
         n = units.shape[0]
+        self.sq32 = int(float32_squares)  # the prices' squares rounded to float32 (module doc)
         self.units = units.contiguous()
         self.qmin, self.qmax = float(spec.qmin), float(spec.qmax)
         # a float element format: the _fp entry point, with its min_exp and mbits
@@ -162,7 +166,8 @@ class KernelState:
             0 if patience is None else int(patience), int(per_unit), int(use_global),
             int(tie == "last"), at(self.best), at(self.perr), at(self.idx), at(self.stale),
             at(self.stopped), at(self.psc), at(self.pzp), self.g.data_ptr(), int(gstop),
-            None if any_out is None else any_out.data_ptr(), kernels.threads(), *extra)
+            None if any_out is None else any_out.data_ptr(), kernels.threads(), *extra,
+            self.sq32)
         if live < 0:
             raise MemoryError("mse kernel: could not allocate the block's scratch")
         return live
@@ -186,10 +191,10 @@ class _Search:
     """
 
     def __init__(self, units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
-                 global_amax, chunk_elems, early_stop, extend=(), **_):
+                 global_amax, chunk_elems, early_stop, extend=(), float32_squares=False, **_):
         self.lo, self.hi, self.spec, self.incumbent = lo, hi, spec, incumbent
         self.global_amax, self.early_stop = global_amax, early_stop
-        self.state = KernelState(units, spec)
+        self.state = KernelState(units, spec, float32_squares)
         self.total = len(f_lo)
         self.ext = list(extend) if extend and per_unit and patience is not None else []
         self.first_is_incumbent = (incumbent[0] is lo and incumbent[1] is hi and f_lo[0] == 1.0

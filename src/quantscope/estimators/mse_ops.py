@@ -18,19 +18,20 @@ The other formats' candidate qparams come from
 :func:`~quantscope.qparams.qparams_from_range`, in chunks of units (``[candidates, chunk]``
 blocks of at most ``chunk_elems`` x 16 values), and plateaus (a candidate whose encoded
 qparams equal the previous one's) are found from them as the torch path finds them (the
-block-scale ops are defined by the same steps). Errors are float64 sums of float32
-fake-quant errors, as the other engines', so on the CPU (where the ops run the C kernel)
-this engine chooses what :mod:`.mse_kernel` chooses (tests compare them bit for bit).
+block-scale ops are defined by the same steps). Errors are float64 sums of the float32
+fake-quant errors' squares, exact in float64, as the other engines', so on the CPU (where
+the ops run the C kernel) this engine chooses what :mod:`.mse_kernel` chooses (tests compare
+them bit for bit).
 
 Other norms and llm-compressor's search (``compat="llmcompressor"``: no incumbent, the first
 candidate always wins, global patience; norm 2.4) run here too, priced by the same ops:
-float64 sums of torch's float32 ``|d| ** norm``. The torch path sums those terms in float32,
-in an order its reduction picks per device and shape, so where two candidates' errors lie
-within float32 rounding of each other (about ``n * 2^-24`` relatively, ``n`` a unit's
-elements) this engine may pick the other one. On the CPU, :mod:`.mse_compat` settles such
-ties in torch and reproduces the torch path bit for bit; on CUDA no sum order is the
-reference (llm-compressor's own CUDA backend is a Triton kernel with rules of its own), and
-this engine is the default there.
+float64 sums of torch's float32 ``|d| ** norm`` (at norm 2 too: ``float32_squares``). The
+torch path sums those terms in float32, in an order its reduction picks per device and
+shape, so where two candidates' errors lie within float32 rounding of each other (about
+``n * 2^-24`` relatively, ``n`` a unit's elements) this engine may pick the other one. On
+the CPU, :mod:`.mse_compat` settles such ties in torch and reproduces the torch path bit for
+bit; on CUDA no sum order is the reference (llm-compressor's own CUDA backend is a Triton
+kernel with rules of its own), and this engine is the default there.
 """
 
 from __future__ import annotations
@@ -62,17 +63,20 @@ def usable(units: torch.Tensor, spec: QuantSpec, norm: float) -> bool:
 
 
 def _price(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
-           spec: QuantSpec, norm: float, weights: torch.Tensor | None) -> torch.Tensor:
-    """float64 ``[K, n]`` errors of effective scales / zero points ``[K, n]`` on ``units``."""
+           spec: QuantSpec, norm: float, weights: torch.Tensor | None,
+           sq32: bool) -> torch.Tensor:
+    """float64 ``[K, n]`` errors of effective scales / zero points ``[K, n]`` on ``units``
+    (``sq32``: the ops' ``float32_squares``)."""
     if spec.is_float:
         fmt = spec.format
         return ops.mse_price_fp(units, scale, float(fmt.max), int(fmt.min_exp), int(fmt.mbits),
-                                weights, norm)
+                                weights, norm, sq32)
     return ops.mse_price_int(units, scale, zero_point, float(spec.qmin), float(spec.qmax),
-                             weights, norm)
+                             weights, norm, sq32)
 
 
-def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm, weights):
+def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm, weights,
+                 sq32):
     """Errors ``[1 + K, n]`` of the incumbent (row 0; None: none, and the row is float32's
     max, which the first finite candidate beats) and the candidates on units ``n``, and
     ``same [K, n]``: candidate ``k``'s encoded qparams equal row ``k``'s (the previous)."""
@@ -85,25 +89,29 @@ def _price_chunk(units, lo, hi, f_lo, f_hi, incumbent, spec, global_amax, norm, 
     enc = qp.scale.expand_as(lo_c)
     same = (enc[1:] == enc[:-1]) & (zp[1:] == zp[:-1])
     if incumbent is None:
-        err = _price(units, scale[1:], zp[1:], spec, norm, weights)
+        err = _price(units, scale[1:], zp[1:], spec, norm, weights, sq32)
         return torch.cat((torch.full_like(err[:1], _FLT_MAX), err)), same
-    return _price(units, scale, zp, spec, norm, weights), same
+    return _price(units, scale, zp, spec, norm, weights, sq32), same
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumbent,
-           global_amax, chunk_elems, norm=2.0, extend=(), weights=None, **_):
+           global_amax, chunk_elems, norm=2.0, extend=(), weights=None,
+           float32_squares=False, **_):
     """``mse_tiles.search`` (same arguments, same choices for native searches: an incumbent,
     squared error) as ops: ``(lo, hi, error, index)`` per unit. Without an incumbent
     (llm-compressor's search, ``compat``) the first candidate always wins, and near ties
     may fall otherwise than in torch's float32 sums (module doc). ``weights``: float32
-    ``[U, E]`` (contiguous) weighting each element's term (an imatrix search), or None."""
+    ``[U, E]`` (contiguous) weighting each element's term (an imatrix search), or None.
+    ``float32_squares``: the prices' squares rounded to float32 (a compat class's toolkit
+    arithmetic: the block ops, which square exactly, are not used)."""
     dev = units.device
     ext = list(extend) if extend and per_unit and patience is not None else []
     one_factor = list(f_lo) == list(f_hi)  # (host lists) both ends scaled alike
     f_lo = upload(list(f_lo) + ext, dev, torch.float32)
     f_hi = upload(list(f_hi) + ext, dev, torch.float32)
     # what the block ops price; they take the element format by name
-    blocks = incumbent is not None and float(norm) == 2.0 and named(spec.format)
+    blocks = incumbent is not None and float(norm) == 2.0 and named(spec.format) \
+        and not float32_squares
     if blocks and spec.scale.has_global_scale and global_amax is not None:
         idx, best = _nvfp4(units, lo, hi, f_lo, incumbent, global_amax, spec, patience,
                            per_unit, tie, len(ext), weights)
@@ -114,7 +122,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     else:
         step = max(1, chunk_elems * _QPARAMS_PER_TILE // (f_lo.shape[0] + 1))
         idx, best = _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie,
-                                      incumbent, global_amax, step, len(ext), norm, weights)
+                                      incumbent, global_amax, step, len(ext), norm, weights,
+                                      float32_squares)
     j, take = idx.clamp(min=0), idx >= 0
     if incumbent is None:  # no candidate priced below float32's max: the first, as torch's
         incumbent = (lo * f_lo[0], hi * f_hi[0])
@@ -153,7 +162,7 @@ def _rules(ext_start, patience, per_unit, tie) -> tuple:
 
 
 def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, incumbent,
-                      global_amax, step, n_ext, norm, weights):
+                      global_amax, step, n_ext, norm, weights, sq32):
     """``(idx, best)``: every candidate priced into ``[K + 1, U]`` errors, then selected."""
     dev, (K, U) = units.device, (f_lo.shape[0], units.shape[0])
     err = torch.empty((K + 1, U), dtype=torch.float64, device=dev)
@@ -163,5 +172,5 @@ def _price_and_select(units, lo, hi, spec, f_lo, f_hi, patience, per_unit, tie, 
         inc = None if incumbent is None else (incumbent[0][a:b], incumbent[1][a:b])
         err[:, a:b], same[:, a:b] = _price_chunk(
             units[a:b], lo[a:b], hi[a:b], f_lo, f_hi, inc, spec, global_amax, norm,
-            None if weights is None else weights[a:b])
+            None if weights is None else weights[a:b], sq32)
     return ops.mse_select(err[1:], same, err[0], *_rules(K - n_ext, patience, per_unit, tie))

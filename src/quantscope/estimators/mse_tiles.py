@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..formats import IntFormat
+from ..kernels.price_ops import price_sums
 from ..kernels.select_ops import beats
 from ..qdq import fake_quantize_units
 from ..qparams import QParams, qparams_from_range
@@ -40,20 +41,22 @@ def candidate_qparams(lo_c: torch.Tensor, hi_c: torch.Tensor, spec: QuantSpec,
 
 
 def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: QuantSpec,
-                norm: float, exact: bool) -> torch.Tensor:
+                norm: float, exact: bool, float32_squares: bool = False) -> torch.Tensor:
     """Error of ``x [Ut, E]`` under ``scale``, ``zp`` ``[Cc, Ut]`` (effective scale): ``[Cc, Ut]``.
 
     ``exact``: llm-compressor's arithmetic, ``sum(|fake_quant(x) - x| ** norm)``.
     Otherwise, ``norm=2`` computes the C kernel's error (:mod:`.mse_kernel`; integer and
-    float formats): float32 squares summed in float64, so that both paths choose the
-    same candidates (a float32 sum breaks near ties differently: issue 20 #11); other norms
-    use the rounding identity ``fake_quant(x) - x = (clamp(round(t)) - t) * scale`` with
-    ``t = x / scale + zp``, which scores the same quantizer with fewer passes over the tile.
+    float formats): the ops' prices (``kernels.price_ops.price_sums``: squares exact in
+    float64, or rounded to float32 with ``float32_squares``, summed in float64), so that
+    both paths choose the same candidates (a float32 sum breaks near ties differently: issue
+    20 #11); other norms use the rounding identity ``fake_quant(x) - x = (clamp(round(t)) -
+    t) * scale`` with ``t = x / scale + zp``, which scores the same quantizer with fewer
+    passes over the tile.
     """
     s3, z3 = scale.unsqueeze(-1), zp.unsqueeze(-1)
     if not exact and norm == 2:
         d = fake_quantize_units(x, s3, z3, spec).sub_(x)
-        return d.square_().sum(-1, dtype=torch.float64)
+        return price_sums(d, float32_squares=float32_squares)
     if exact or not isinstance(spec.format, IntFormat):
         d = fake_quantize_units(x, s3, z3, spec).sub_(x)
         if exact:
@@ -95,8 +98,10 @@ def tile_numels(n_units: int, n_elems: int, total: int, chunk_elems: int,
     return sizes
 
 
-def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
-    """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams."""
+def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems,
+            sq32=False):
+    """Errors ``[Cc, U]`` of candidate ranges ``lo_c, hi_c [Cc, U]``, tiled; also the qparams
+    (``sq32``: :func:`_tile_error`'s ``float32_squares``)."""
     qp = candidate_qparams(lo_c, hi_c, spec, global_amax)
     scale = qp.effective_scale.expand_as(lo_c)
     zp = qp.zero_point.float()
@@ -105,11 +110,11 @@ def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
     if n_elems <= chunk_elems:  # tiles of whole units: [candidates, units, E]
         cstep, ustep = tile_steps(cc, n_elems, chunk_elems)
         if cstep >= cc and ustep >= n_units:
-            err = _tile_error(units, scale, zp, spec, norm, exact)
+            err = _tile_error(units, scale, zp, spec, norm, exact, sq32)
         else:
             err = torch.cat([torch.cat([
                 _tile_error(units[a:a + ustep], scale[c:c + cstep, a:a + ustep],
-                            zp[c:c + cstep, a:a + ustep], spec, norm, exact)
+                            zp[c:c + cstep, a:a + ustep], spec, norm, exact, sq32)
                 for a in range(0, n_units, ustep)], dim=1) for c in range(0, cc, cstep)])
     else:  # units larger than a tile (per-tensor): element slices, partial sums added
         err = scale.new_zeros(cc, n_units, dtype=torch.float64 if norm == 2 else scale.dtype)
@@ -118,7 +123,7 @@ def _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems):
                 for a in range(0, n_elems, chunk_elems):
                     err[c:c + 1, u:u + 1] += _tile_error(
                         units[u:u + 1, a:a + chunk_elems], scale[c:c + 1, u:u + 1],
-                        zp[c:c + 1, u:u + 1], spec, norm, exact)
+                        zp[c:c + 1, u:u + 1], spec, norm, exact, sq32)
     return err, qp.scale.expand_as(lo_c), zp
 
 
@@ -187,13 +192,16 @@ class _State:
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, exact,
-            incumbent, global_amax, chunk_elems, chunk_candidates, early_stop, extend=()):
+           incumbent, global_amax, chunk_elems, chunk_candidates, early_stop, extend=(),
+           float32_squares=False):
     """Core: pick, per unit, the best of candidates ``(lo * f_lo[i], hi * f_hi[i])``.
 
     ``incumbent``: a ``(lo, hi)`` scored first as the best so far (index -1).
     ``extend``: further factors tried, after the grid, by the units still improving
     (per-unit patience only; on CPU only those units are computed).
+    ``float32_squares``: :func:`_tile_error`'s (a compat class's toolkit arithmetic).
     """
+    sq32 = float32_squares
     dev = units.device
     n_units = units.shape[0]
     total = len(f_lo)
@@ -202,7 +210,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     if incumbent is not None:  # the min-max range: native searches never do worse than it
         best_lo, best_hi = incumbent[0].clone(), incumbent[1].clone()
         err, sc, zp = _errors(units, best_lo[None], best_hi[None], spec, norm, exact,
-                              global_amax, chunk_elems)
+                              global_amax, chunk_elems, sq32)
         st = _State(best_lo, best_hi, err[0], (sc[0].clone(), zp[0].clone()))
     else:  # llm-compressor: the first candidate always wins
         st = _State(lo * f_lo[0], hi * f_hi[0],
@@ -215,7 +223,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
     for start in range(0, total, cc):
         fl, fh = f_lo[start:start + cc], f_hi[start:start + cc]
         lo_c, hi_c = lo[None] * fl[:, None], hi[None] * fh[:, None]
-        err, sc, zp = _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
+        err, sc, zp = _errors(units, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems,
+                              sq32)
         for j in range(lo_c.shape[0]):
             st.step(start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], **rule)
         # one host sync per chunk, on CPU only
@@ -236,7 +245,8 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
             f = ext[start:start + cc, None]
             x, l0, h0 = (units, lo, hi) if sub is None else (units[sub], lo[sub], hi[sub])
             lo_c, hi_c = l0[None] * f, h0[None] * f
-            err, sc, zp = _errors(x, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems)
+            err, sc, zp = _errors(x, lo_c, hi_c, spec, norm, exact, global_amax, chunk_elems,
+                                  sq32)
             for j in range(lo_c.shape[0]):
                 st.step(total + start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], sub=sub,
                         **rule)

@@ -51,8 +51,8 @@ def weighted_search(units: torch.Tensor, weights: torch.Tensor | None, spec: Qua
     factors that improved no unit (reads flags back to the host once per block of factors
     priced); None tries every factor.
 
-    The arithmetic: sums of ``float64(w) * float64(d * d)`` in float64, ``d`` the float32
-    fake-quant error and its square rounded to float32 (the unweighted native search's
+    The arithmetic: sums of ``float64(w) * (float64(d) * float64(d))`` in float64, ``d`` the
+    float32 fake-quant error and its square exact in float64 (the unweighted native search's
     terms, weighted; another norm: torch's float32 ``|d| ** norm``), priced by
     ``quantscope::mse_price_int`` / ``mse_price_fp`` a block of factors at a time (on CPU
     the C kernel for norm 2, the same formula in torch otherwise; Triton on CUDA).
@@ -153,7 +153,7 @@ _BLOCK_CANDIDATES = 1 << 21
 
 
 def _float64_errors(units, weights, spec, lo0, hi0, factors, norm):
-    """Each factor's ``sum float64(w) * float64(d * d)`` (``norm``: ``|d| ** norm``): blocks
+    """Each factor's ``sum float64(w) * float64(d) ** 2`` (``norm``: ``|d| ** norm``): blocks
     of factors priced by the ops (Triton on CUDA; on the CPU the C kernel for norm 2, else
     their torch path), yielded ``[k, U]``."""
     units = units.float().contiguous()

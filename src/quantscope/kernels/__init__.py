@@ -82,13 +82,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "mse_search": {
         "qs_mse_dq": [_P, _I, _D, _D, _D, _D, _P],
         "qs_mse_step": [_P, _I, _P, _I, _P, _P, _I, _I, _INT, _D, _D, _I, _INT, _INT, _INT]
-        + [_P] * 8 + [_I, _P, _INT],
+        + [_P] * 8 + [_I, _P, _INT, _INT],
         "qs_mse_gstop": [_P, _I, _I, _P],
         "qs_mse_dq_fp": [_P, _I, _D, _D, _I, _I, _P],
-        "qs_mse_price_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _D, _P, _INT],
-        "qs_mse_price_fp_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _I, _I, _P, _INT],
+        "qs_mse_price_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _D, _P, _INT, _INT],
+        "qs_mse_price_fp_w": [_P, _P, _I, _P, _I, _P, _P, _I, _D, _I, _I, _P, _INT, _INT],
         "qs_mse_step_fp": [_P, _I, _P, _I, _P, _P, _I, _I, _INT, _D, _D, _I, _INT, _INT, _INT]
-        + [_P] * 8 + [_I, _P, _INT, _I, _I],
+        + [_P] * 8 + [_I, _P, _INT, _I, _I, _INT],
     },
     "mse_pnorm": {
         "qs_pnorm_lanes": [],

@@ -6,7 +6,7 @@ naming the argument), and their pricing, :func:`nvfp4_price` and :func:`mx_price
 
 Each takes ``weights`` (None, or float32 ``[U, E]`` of ``units``' shape and device: an
 imatrix search's importance), priced as ``mse_price_fp`` / ``mse_price_int`` price them:
-``float64(w) * float64(d * d)`` summed in float64.
+``float64(w) * (float64(d) * float64(d))`` summed in float64 (each square exact).
 
 CPU: the definition (every candidate's block scales computed, chunk by chunk of units, and
 priced by ``mse_price_fp`` / ``mse_price_int``: the C kernel; then ``mse_select``'s rules).

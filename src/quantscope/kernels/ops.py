@@ -18,14 +18,16 @@ is not installed) and a fake (meta) one, so ``torch.compile``, CUDA graphs and
 * ``fake_quant_int(units, scale, zero_point, qmin, qmax) -> out``: integer fake-quantization
   of ``units [U, E]`` with float32 per-unit ``scale`` / ``zero_point`` ``[U]``; float32
   ``[U, E]`` (``qdq.fake_quantize_units``).
-* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights, norm) -> err`` and
-  ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights, norm) -> err``: the MSE
+* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights, norm, float32_squares)
+  -> err`` and ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights, norm,
+  float32_squares) -> err``: the MSE
   search's pricing, float64 ``[K, U]`` squared fake-quant errors of every candidate on
   float32 ``units [U, E]``, integer formats (scale float32, zero_point int32 ``[K, U]``) and
   float element formats (``FloatFormat``'s max, min_exp, mbits; effective scales float32
   ``[K, U]``), optionally weighted per element or to another ``norm`` (``|d| ** norm``):
-  defined in :mod:`.price_ops` (the C kernel on the CPU, Triton on CUDA: the same float32
-  terms summed in float64, so they agree up to the order of the sum).
+  defined in :mod:`.price_ops` (the C kernel on the CPU, Triton on CUDA: the same terms,
+  each square exact in float64 or, ``float32_squares``, rounded to float32, summed in
+  float64, so they agree up to the order of the sum).
 * ``mse_select(err, same, incumbent, ext_start, patience, per_unit, use_global, tie_last)
   -> (idx, best)``: the search's selection rules (``estimators.mse_tiles._State``) over the
   priced ``[K, U]`` candidates: ``same[k, u]``, candidate ``k``'s qparams equal the previous

@@ -3,20 +3,25 @@
 :mod:`quantscope.kernels.ops` with the other ops (whose contract they follow: a CPU
 implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming the argument).
 
-* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0) -> err``:
+* ``mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0,
+  float32_squares=False) -> err``:
   float64 ``[K, U]`` squared fake-quant errors of candidates ``scale`` (float32) /
   ``zero_point`` (int32) ``[K, U]`` on float32 ``units [U, E]``.
-* ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) -> err``: the
-  same for a float element
+* ``mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0,
+  float32_squares=False) -> err``: the same for a float element
   format given by ``FloatFormat``'s ``max``, ``min_exp`` and ``mbits`` (zero point 0: fp8 /
   fp6 / fp4 elements of MX and NVFP4 blocks) under candidate effective scales ``scale``
   (float32 ``[K, U]``; NVFP4's global scale folded in), the elements rounded as
   ``FloatFormat.round``.
-* Each element's term is ``float64(d * d)``, the square of the float32 error rounded to
-  float32 (as torch's ``d.square()``), summed in float64; with ``weights`` (float32 ``[U, E]``
-  on ``units``' device, e.g. imatrix importance) ``float64(w) * float64(d * d)``, the product
-  rounded once (the weighted search's arithmetic, :mod:`quantscope.estimators.weighted`). On
-  every device: prices agree across devices up to the order of the float64 sum (1e-12).
+* Each element's term is ``float64(d) * float64(d)``, the square of the float32 error taken
+  in float64, where it is exact (a float32 square loses precision below ``|d|`` ~ 1e-19 and
+  underflows to 0 below ~ 3e-23), summed in float64; with ``weights`` (float32 ``[U, E]``
+  on ``units``' device, e.g. imatrix importance) ``float64(w) * (float64(d) * float64(d))``,
+  the product rounded once (the weighted search's arithmetic,
+  :mod:`quantscope.estimators.weighted`). ``float32_squares`` rounds each square to float32
+  first, ``float64(d * d)`` as torch's ``d.square()`` (the arithmetic of the toolkits whose
+  compat classes price here: Horizon's, llm-compressor's at norm 2). On every device: prices
+  agree across devices up to the order of the float64 sum (1e-12).
 * ``norm`` (positive; llm-compressor's searches use 2.4): each term is ``float64(|d| **
   norm)``, the float32 power as torch's ``d.abs().pow(norm)`` computes it on the op's device.
   Norms 1, 2 and 3 are exact arithmetic on every device; the others are the device's
@@ -137,7 +142,8 @@ def _check_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0) 
 # ---- the CPU implementations both share ----------------------------------------------------
 
 def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
-             weights: Tensor | None = None, norm: float = 2.0) -> Tensor | None:
+             weights: Tensor | None = None, norm: float = 2.0,
+             float32_squares: bool = False) -> Tensor | None:
     """The C kernel's prices (``entry``: ``qs_mse_price_w`` or ``qs_mse_price_fp_w``, with
     ``weights`` or without), or None where it does not run (not built, ``units`` no
     contiguous CPU tensor, or a norm other than 2)."""
@@ -150,41 +156,48 @@ def _c_price(entry: str, units: Tensor, scale: Tensor, zero_point: Tensor, *fmt,
     w = None if weights is None else weights.contiguous()
     getattr(lib, entry)(units.data_ptr(), None if w is None else w.data_ptr(), units.shape[1],
                         None, U, sc.data_ptr(), zp.data_ptr(), K, *fmt, out.data_ptr(),
-                        _threads())
+                        _threads(), int(float32_squares))
     return out
 
 
-def price_sums(d: Tensor, weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
-    """The prices' arithmetic on float32 errors ``d [n, E]``, per row: ``sum_e float64(t)``,
-    ``t`` the float32 ``d * d`` (another ``norm``: torch's float32 ``|d| ** norm``), with
-    ``weights`` ``sum_e float64(w) * float64(t)``, summed in float64."""
-    t = (d.square() if norm == 2.0 else d.abs().pow(norm)).double()
-    return (t if weights is None else t.mul_(weights.double())).sum(1)
+def price_sums(d: Tensor, weights: Tensor | None = None, norm: float = 2.0,
+               float32_squares: bool = False) -> Tensor:
+    """The prices' arithmetic on float32 errors ``d [..., E]``, per row (the last dim):
+    ``sum_e t`` in float64, ``t`` the exact square ``float64(d) * float64(d)``
+    (``float32_squares``: ``float64(d * d)``, the square rounded to float32; another
+    ``norm``: torch's float32 ``|d| ** norm``), with ``weights`` ``float64(w) * t``."""
+    if norm == 2.0 and not float32_squares:
+        t = d.double().square_()  # exact: 24-bit significands square into 48 bits
+    else:
+        t = (d.square() if norm == 2.0 else d.abs().pow(norm)).double()
+    return (t if weights is None else t.mul_(weights.double())).sum(-1)
 
 
 def _torch_price(units: Tensor, scale: Tensor, zero_point: Tensor, bounds,
-                 weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
+                 weights: Tensor | None = None, norm: float = 2.0,
+                 float32_squares: bool = False) -> Tensor:
     """:func:`price_sums` of each candidate's fake-quant errors, one candidate at a time
     (one ``[U, E]`` temporary)."""
     out = torch.empty(tuple(scale.shape), dtype=torch.float64, device=units.device)
     for k in range(scale.shape[0]):
         d = fake_quantize_units(units, scale[k, :, None], zero_point[k, :, None].float(),
                                 bounds) - units
-        out[k] = price_sums(d, weights, norm)
+        out[k] = price_sums(d, weights, norm, float32_squares)
     return out
 
 
 # ---- quantscope::mse_price_int --------------------------------------------------------------
 
 def _torch_mse_price_int(units: Tensor, scale: Tensor, zero_point: Tensor, qmin: float,
-                         qmax: float, weights: Tensor | None = None,
-                         norm: float = 2.0) -> Tensor:
+                         qmax: float, weights: Tensor | None = None, norm: float = 2.0,
+                         float32_squares: bool = False) -> Tensor:
     _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     units = units.contiguous()  # torch's row sums add in an order that follows the strides
     out = _c_price("qs_mse_price_w", units, scale, zero_point, float(qmin), float(qmax),
-                   weights=weights, norm=norm)
+                   weights=weights, norm=norm, float32_squares=float32_squares)
     return out if out is not None else _torch_price(
-        units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights, norm)
+        units, scale, zero_point, _IntBounds(float(qmin), float(qmax)), weights, norm,
+        float32_squares)
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
@@ -192,55 +205,65 @@ def _rows(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.stride(1) == 1 else t.contiguous()
 
 
-def _cuda_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0):
+def _cuda_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0,
+                        float32_squares=False):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
+        return _torch_mse_price_int(units, scale, zero_point, qmin, qmax, weights, norm,
+                                    float32_squares)
     _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     return kernel.mse_price_int(_rows(units), scale.contiguous(), zero_point.contiguous(), qmin,
-                                qmax, weights=_rows(weights), norm=norm)
+                                qmax, weights=_rows(weights), norm=norm,
+                                float32_squares=float32_squares)
 
 
-def _fake_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0):
+def _fake_mse_price_int(units, scale, zero_point, qmin, qmax, weights=None, norm=2.0,
+                        float32_squares=False):
     _check_price_int(units, scale, zero_point, qmin, qmax, weights, norm)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 mse_price_int = define(
     "mse_price_int(Tensor units, Tensor scale, Tensor zero_point, float qmin, float qmax, "
-    "Tensor? weights=None, float norm=2.0) -> Tensor",
+    "Tensor? weights=None, float norm=2.0, bool float32_squares=False) -> Tensor",
     _torch_mse_price_int, cuda=_cuda_mse_price_int, fake=_fake_mse_price_int)
 
 
 # ---- quantscope::mse_price_fp ---------------------------------------------------------------
 
 def _torch_mse_price_fp(units: Tensor, scale: Tensor, fmax: float, min_exp: int,
-                        mbits: int, weights: Tensor | None = None, norm: float = 2.0) -> Tensor:
+                        mbits: int, weights: Tensor | None = None, norm: float = 2.0,
+                        float32_squares: bool = False) -> Tensor:
     _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     units = units.contiguous()  # torch's row sums add in an order that follows the strides
     # zero points: the C kernel's argument, which float formats ignore (as the torch path)
     zero = torch.zeros(tuple(scale.shape), dtype=torch.int32, device=units.device)
     fmt = (float(fmax), int(min_exp), int(mbits))
-    out = _c_price("qs_mse_price_fp_w", units, scale, zero, *fmt, weights=weights, norm=norm)
+    out = _c_price("qs_mse_price_fp_w", units, scale, zero, *fmt, weights=weights, norm=norm,
+                   float32_squares=float32_squares)
     return out if out is not None else _torch_price(units, scale, zero, _FloatBounds(*fmt),
-                                                    weights, norm)
+                                                    weights, norm, float32_squares)
 
 
-def _cuda_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0):
+def _cuda_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0,
+                       float32_squares=False):
     kernel = _triton.launchers("mse", units)
     if kernel is None:
-        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
+        return _torch_mse_price_fp(units, scale, fmax, min_exp, mbits, weights, norm,
+                                   float32_squares)
     _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     return kernel.mse_price_fp(_rows(units), scale.contiguous(), fmax, min_exp, mbits,
-                               weights=_rows(weights), norm=norm)
+                               weights=_rows(weights), norm=norm,
+                               float32_squares=float32_squares)
 
 
-def _fake_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0):
+def _fake_mse_price_fp(units, scale, fmax, min_exp, mbits, weights=None, norm=2.0,
+                       float32_squares=False):
     _check_price_fp(units, scale, fmax, min_exp, mbits, weights, norm)
     return units.new_empty(tuple(scale.shape), dtype=torch.float64)
 
 
 mse_price_fp = define(
     "mse_price_fp(Tensor units, Tensor scale, float fmax, SymInt min_exp, SymInt mbits, "
-    "Tensor? weights=None, float norm=2.0) -> Tensor",
+    "Tensor? weights=None, float norm=2.0, bool float32_squares=False) -> Tensor",
     _torch_mse_price_fp, cuda=_cuda_mse_price_fp, fake=_fake_mse_price_fp)

@@ -209,6 +209,10 @@ class LinearMSEObserver(MovingAverageMSEObserver):
     Symmetric specs only (Horizon is symmetric): an asymmetric spec is a ``ValueError``.
     """
 
+    #: the search's squares rounded to float32 (Horizon's arithmetic: its compat class); the
+    #: native search squares exactly in float64 (``mse_search``'s ``float32_squares``)
+    float32_squares: ClassVar[bool] = False
+
     def __init__(self, spec=None, *, stride: int = 1, averaging_constant: float = 0.01,
                  chunk_elems: int | None = None, **kwargs):
         self.stride = stride
@@ -220,7 +224,8 @@ class LinearMSEObserver(MovingAverageMSEObserver):
 
     def _search(self, units, lo, hi):
         return linear_search(units, lo, hi, self.spec, stride=self.stride,
-                             chunk_elems=self.options["chunk_elems"])
+                             chunk_elems=self.options["chunk_elems"],
+                             float32_squares=self.float32_squares)
 
     def extra_repr(self):
         return f"spec={self.spec}, stride={self.stride}, averaging_constant={self.averaging_constant}"

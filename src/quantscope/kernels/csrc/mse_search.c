@@ -5,29 +5,44 @@
 #include "qs_fakequant.h"
 #include <stdlib.h>
 
-/* The error of one unit under (s, z): sum(d * d), each square d * d rounded to float32 (as
-   torch's d.square()), the sum in float64 (the torch path, mse._tile_error, computes it so;
+/* The error of one unit under (s, z): sum(d * d), each square exact in float64
+   ((double)d * (double)d: a float32 d's 24 bits square into 48 of float64's 53, with no
+   underflow), the sum in float64 (the torch path, mse_tiles._tile_error, computes it so;
    only the order of the float64 additions differs, so both pick the same candidates where
-   a float32 sum would break near ties at random: issue 20 #11). Deterministic: equal
-   (s, z) give bitwise equal errors, which the reuse of a previous candidate's error
-   relies on. */
+   a float32 sum would break near ties at random: issue 20 #11). Squares rounded to float32
+   lose precision below |d| ~ 1e-19 and vanish below ~3e-23, where every candidate of a unit
+   of tiny values then ties at 0. Deterministic: equal (s, z) give bitwise equal errors,
+   which the reuse of a previous candidate's error relies on. */
 /* The sum of squares every price shares (one summation order, so equal element errors give
    bitwise equal prices): VDQ(v) the SIMD element error of VW lanes, SDQ(x) the scalar one;
    ACC(d, o, A, B) adds the terms of the VW errors d of elements o .. o + VW to the float64
    accumulators A (low lanes) and B (high lanes), TERM(d, j) is element j's term.
-   Each square d * d is rounded to float32 (as torch's d.square()); weighted by w (imatrix
-   importance, [U, E] float32: WSQ2, WSQ1) it is (double)w * (double)(d * d), the product
-   rounded once in float64, so w = 1 gives the unweighted terms (SQ2, SQ1) bit for bit
-   (estimators.weighted's arithmetic). */
+   Weighted by w (imatrix importance, [U, E] float32: WSQ2, WSQ1) a term is
+   (double)w * ((double)d * (double)d), the product rounded once in float64, so w = 1 gives
+   the unweighted terms (SQ2, SQ1) bit for bit (estimators.weighted's arithmetic). sq32
+   (the _F32 forms) rounds each square to float32 first, d * d as torch's d.square(): the
+   arithmetic of the toolkits whose compat classes share these prices (Horizon's norm,
+   llm-compressor's |d| ** 2). */
 #ifdef VW
-#define SQ2(d, o, A, B)                                                                       \
-    do { vf f_ = VMUL(d, d); A = DADD(A, DLO(f_)); B = DADD(B, DHI(f_)); } while (0)
-#define WSQ2(d, o, A, B)                                                                      \
+/* the squares of the VW errors d in float64, low lanes L and high lanes H: exact (SQ64) or
+   each rounded to float32 (SQ32) */
+#define SQ64(d, L, H)                                                                         \
+    do { vd l_ = DLO(d), h_ = DHI(d); L = DMUL(l_, l_); H = DMUL(h_, h_); } while (0)
+#define SQ32(d, L, H) do { vf f_ = VMUL(d, d); L = DLO(f_); H = DHI(f_); } while (0)
+#define PLAIN2(SQ, d, o, A, B)                                                                \
+    do { vd L_, H_; SQ(d, L_, H_); A = DADD(A, L_); B = DADD(B, H_); } while (0)
+#define WEIGHTED2(SQ, d, o, A, B)                                                              \
     do {                                                                                      \
-        vf f_ = VMUL(d, d), w_ = VLOAD(w + (o));                                              \
-        A = DADD(A, DMUL(DLO(w_), DLO(f_)));                                                  \
-        B = DADD(B, DMUL(DHI(w_), DHI(f_)));                                                  \
+        vd L_, H_;                                                                            \
+        vf w_ = VLOAD(w + (o));                                                               \
+        SQ(d, L_, H_);                                                                        \
+        A = DADD(A, DMUL(DLO(w_), L_));                                                       \
+        B = DADD(B, DMUL(DHI(w_), H_));                                                       \
     } while (0)
+#define SQ2(d, o, A, B) PLAIN2(SQ64, d, o, A, B)
+#define SQ2_F32(d, o, A, B) PLAIN2(SQ32, d, o, A, B)
+#define WSQ2(d, o, A, B) WEIGHTED2(SQ64, d, o, A, B)
+#define WSQ2_F32(d, o, A, B) WEIGHTED2(SQ32, d, o, A, B)
 #define SUM_SQUARES_SIMD(VDQ, ACC)                                                            \
     do {                                                                                      \
         vd a0 = DZERO(), a1 = DZERO(), a2 = DZERO(), a3 = DZERO();                            \
@@ -44,30 +59,40 @@
         acc = DSUM(DADD(DADD(a0, a1), DADD(a2, a3)));                                         \
     } while (0)
 #endif
-#define SQ1(d, j) ((double)((d) * (d)))
-#define WSQ1(d, j) ((double)w[j] * (double)((d) * (d)))
+#define SQ1(d, j) ((double)(d) * (double)(d))
+#define SQ1_F32(d, j) ((double)((d) * (d)))
+#define WSQ1(d, j) ((double)w[j] * SQ1(d, j))
+#define WSQ1_F32(d, j) ((double)w[j] * SQ1_F32(d, j))
 #define SUM_SQUARES_TAIL(SDQ, TERM)                                                           \
     for (; j < E; ++j) {                                                                      \
         float d = SDQ(x[j]);                                                                  \
         acc += TERM(d, j);                                                                    \
     }
-/* The sum over x (and w: weighted, NULL: not) with element errors VDQ / SDQ */
+/* The sum over x (and w: weighted, NULL: not; sq32: the float32 squares) with element
+   errors VDQ / SDQ */
 #ifdef VW
 #define SUM_SIMD(VDQ)                                                                         \
     do {                                                                                      \
-        if (w) SUM_SQUARES_SIMD(VDQ, WSQ2); else SUM_SQUARES_SIMD(VDQ, SQ2);                  \
+        if (w && sq32) SUM_SQUARES_SIMD(VDQ, WSQ2_F32);                                       \
+        else if (w) SUM_SQUARES_SIMD(VDQ, WSQ2);                                              \
+        else if (sq32) SUM_SQUARES_SIMD(VDQ, SQ2_F32);                                        \
+        else SUM_SQUARES_SIMD(VDQ, SQ2);                                                      \
     } while (0)
 #else
 #define SUM_SIMD(VDQ) do { } while (0)
 #endif
 #define SUM_TAIL(SDQ)                                                                         \
     do {                                                                                      \
-        if (w) { SUM_SQUARES_TAIL(SDQ, WSQ1) } else { SUM_SQUARES_TAIL(SDQ, SQ1) }            \
+        if (w && sq32) { SUM_SQUARES_TAIL(SDQ, WSQ1_F32) }                                    \
+        else if (w) { SUM_SQUARES_TAIL(SDQ, WSQ1) }                                           \
+        else if (sq32) { SUM_SQUARES_TAIL(SDQ, SQ1_F32) }                                     \
+        else { SUM_SQUARES_TAIL(SDQ, SQ1) }                                                   \
     } while (0)
 
 static inline __attribute__((always_inline)) double price_(const float *x, const float *w,
                                                          int64_t E, float s, float z,
-                                                         float qmin, float qmax, int zero) {
+                                                         float qmin, float qmax, int zero,
+                                                         int sq32) {
     int64_t j = 0;
     double acc = 0.0;
     (void)zero;  /* the SIMD branch's */
@@ -84,7 +109,8 @@ static inline __attribute__((always_inline)) double price_(const float *x, const
 }
 
 /* price_ for a float element format (MX, NVFP4 blocks): fq1 / fqv, same sums */
-static double price_fp(const float *x, const float *w, int64_t E, float s, qs_ffmt f) {
+static double price_fp(const float *x, const float *w, int64_t E, float s, qs_ffmt f,
+                       int sq32) {
     int64_t j = 0;
     double acc = 0.0;
 #ifdef VW
@@ -100,25 +126,26 @@ static double price_fp(const float *x, const float *w, int64_t E, float s, qs_ff
 }
 
 /* The element format of a search: integer codes in [qmin, qmax] with a zero point, or a
-   float format (is_float: f; the zero point is 0) */
-typedef struct { float qmin, qmax; int is_float; qs_ffmt f; } fmt_t;
+   float format (is_float: f; the zero point is 0); and how its prices square (sq32: each
+   square rounded to float32, a compat class's toolkit arithmetic; 0: exact) */
+typedef struct { float qmin, qmax; int is_float; qs_ffmt f; int sq32; } fmt_t;
 
-static fmt_t int_fmt(double qmin, double qmax) {
-    fmt_t m = {(float)qmin, (float)qmax, 0, {0, 0, 0.0f}};
+static fmt_t int_fmt(double qmin, double qmax, int sq32) {
+    fmt_t m = {(float)qmin, (float)qmax, 0, {0, 0, 0.0f}, sq32 != 0};
     return m;
 }
 
-static fmt_t float_fmt(double fmax, int64_t min_exp, int64_t mbits) {
-    fmt_t m = {(float)-fmax, (float)fmax, 1, qs_ffmt_of(min_exp, mbits, fmax)};
+static fmt_t float_fmt(double fmax, int64_t min_exp, int64_t mbits, int sq32) {
+    fmt_t m = {(float)-fmax, (float)fmax, 1, qs_ffmt_of(min_exp, mbits, fmax), sq32 != 0};
     return m;
 }
 
 /* The error of one unit x (weights w, or NULL: unweighted) under (s, z) */
 static double price1(const float *x, const float *w, int64_t E, float s, float z,
                      const fmt_t *m) {
-    if (m->is_float) return price_fp(x, w, E, s, m->f);
-    return z == 0.0f ? price_(x, w, E, s, z, m->qmin, m->qmax, 1)
-                     : price_(x, w, E, s, z, m->qmin, m->qmax, 0);
+    if (m->is_float) return price_fp(x, w, E, s, m->f, m->sq32);
+    return z == 0.0f ? price_(x, w, E, s, z, m->qmin, m->qmax, 1, m->sq32)
+                     : price_(x, w, E, s, z, m->qmin, m->qmax, 0, m->sq32);
 }
 
 /* The d of every element of one unit (tests compare it with torch bit for bit). */
@@ -180,18 +207,19 @@ static int64_t mse_price(const float *x, const float *w, int64_t E, const int64_
 /* The unit errors: out[j, i] = price1 of candidate j on unit sub[i] (or i), each element's
    squared error weighted by w [U, E] (float32, the rows of x's units; NULL: unweighted, the
    same loop: SUM_SIMD / SUM_TAIL test w once per unit and candidate): sum (double)w *
-   (double)(d * d) */
+   ((double)d * (double)d); sq32: each square rounded to float32 (fmt_t) */
 int64_t qs_mse_price_w(const float *x, const float *w, int64_t E, const int64_t *sub, int64_t n,
                        const float *sc, const int32_t *zp, int64_t k, double qmin, double qmax,
-                       double *out, int threads) {
-    return mse_price(x, w, E, sub, n, sc, zp, k, int_fmt(qmin, qmax), out, threads);
+                       double *out, int threads, int sq32) {
+    return mse_price(x, w, E, sub, n, sc, zp, k, int_fmt(qmin, qmax, sq32), out, threads);
 }
 
 /* qs_mse_price_w for a float format: fmax, min_exp, mbits (the zero points are 0) */
 int64_t qs_mse_price_fp_w(const float *x, const float *w, int64_t E, const int64_t *sub,
                           int64_t n, const float *sc, const int32_t *zp, int64_t k, double fmax,
-                          int64_t min_exp, int64_t mbits, double *out, int threads) {
-    return mse_price(x, w, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits), out,
+                          int64_t min_exp, int64_t mbits, double *out, int threads,
+                          int sq32) {
+    return mse_price(x, w, E, sub, n, sc, zp, k, float_fmt(fmax, min_exp, mbits, sq32), out,
                      threads);
 }
 
@@ -344,10 +372,10 @@ int64_t qs_mse_step(const float *x, int64_t E, const int64_t *sub, int64_t n,
                     double qmin, double qmax, int64_t patience, int per_unit, int use_global,
                     int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
                     uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
-                    uint8_t *any_out, int threads) {
-    return mse_step(x, E, sub, n, sc, zp, k, i0, init, int_fmt(qmin, qmax), patience, per_unit,
-                    use_global, tie_last, best, perr, idx, stale, stopped, psc, pzp, g, gstop,
-                    any_out, threads);
+                    uint8_t *any_out, int threads, int sq32) {
+    return mse_step(x, E, sub, n, sc, zp, k, i0, init, int_fmt(qmin, qmax, sq32), patience,
+                    per_unit, use_global, tie_last, best, perr, idx, stale, stopped, psc, pzp,
+                    g, gstop, any_out, threads);
 }
 
 /* qs_mse_step for a float element format (MX, NVFP4 blocks): qmin, qmax are -fmax, fmax,
@@ -357,9 +385,10 @@ int64_t qs_mse_step_fp(const float *x, int64_t E, const int64_t *sub, int64_t n,
                        double qmin, double qmax, int64_t patience, int per_unit, int use_global,
                        int tie_last, double *best, double *perr, int64_t *idx, int64_t *stale,
                        uint8_t *stopped, float *psc, float *pzp, int64_t *g, int64_t gstop,
-                       uint8_t *any_out, int threads, int64_t min_exp, int64_t mbits) {
+                       uint8_t *any_out, int threads, int64_t min_exp, int64_t mbits,
+                       int sq32) {
     (void)qmin;
-    return mse_step(x, E, sub, n, sc, zp, k, i0, init, float_fmt(qmax, min_exp, mbits),
+    return mse_step(x, E, sub, n, sc, zp, k, i0, init, float_fmt(qmax, min_exp, mbits, sq32),
                     patience, per_unit, use_global, tie_last, best, perr, idx, stale, stopped,
                     psc, pzp, g, gstop, any_out, threads);
 }

@@ -102,7 +102,7 @@ def _block_error(x, w, mask, q, gs, min_scale, fmax, min_exp, mbits, ENC: tl.con
     ones (MXINT8, BFP: ``[qmin, fmax]``, zero point 0); ``WEIGHTED``: each term times its
     weight ``w``."""
     s = tl.math.div_rn(_stored(q, min_scale, ENC), gs)[:, None]
-    t = _term(x, w, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, WEIGHTED, 2.0)
+    t = _term(x, w, s, 0.0, qmin, fmax, min_exp, mbits, FLOAT, WEIGHTED, 2.0, False)
     return tl.sum(tl.where(mask, t, 0.0), axis=1)
 
 

@@ -4,15 +4,21 @@ error of every candidate ``(scale, zero_point)`` on every unit: integer formats
 under per-unit effective scales, MX and NVFP4 blocks; zero point 0). One kernel prices both
 (``FLOAT`` picks the element rounding), so their sums cannot drift apart.
 
-``err[k, u] = sum_e float64(d * d)``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x`` in
-float32 rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``, ``_jit.fake_quant_fp``),
-its square rounded to float32 and summed in float64: the terms of the C kernel
-(``csrc/mse_search.c``, ``qs_mse_price_w`` / ``qs_mse_price_fp_w``) and of the torch path
-(``mse_tiles._tile_error``), so the three agree up to the order of the float64 sum (tests:
-1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED`` constexpr of the same kernel):
-``sum_e float64(w) * float64(d * d)``, the C kernel's weighted terms. Another ``norm`` (a
-``NORM`` constexpr: llm-compressor's 2.4) prices ``float64(|d| ** norm)``, the float32 power
-as torch's CUDA ``pow`` rounds it (``_jit.norm_term``).
+``err[k, u] = sum_e float64(d) * float64(d)``, ``d = fake_quant(x, scale[k, u], zp[k, u]) - x``
+in float32 rounded as ``qdq.fake_quantize_units`` (``_jit.fake_quant``,
+``_jit.fake_quant_fp``), its square taken in float64 (exact) and summed in float64: the terms
+of the C kernel (``csrc/mse_search.c``, ``qs_mse_price_w`` / ``qs_mse_price_fp_w``) and of the
+torch path (``mse_tiles._tile_error``), so the three agree up to the order of the float64 sum
+(tests: 1e-12). With ``weights`` ``w [U, E]`` (a ``WEIGHTED`` constexpr of the same kernel):
+``sum_e float64(w) * (float64(d) * float64(d))``, the C kernel's weighted terms.
+``float32_squares`` (an ``SQ32`` constexpr) rounds each square to float32 first,
+``float64(d * d)``: a compat class's toolkit arithmetic. Another ``norm`` (a ``NORM``
+constexpr: llm-compressor's 2.4) prices ``float64(|d| ** norm)``, the float32 power as torch's
+CUDA ``pow`` rounds it (``_jit.norm_term``).
+
+The float64 multiply costs nothing measurable where float64 runs at half float32's rate
+(H100 / H200, A100); on consumer GPUs (1/32 or 1/64 of the float32 rate) the float64 square
+and sum can bind before the fake-quant's float32 work does.
 
 A program takes ``BLOCK_U`` units. Rows that fit one tile (``E <= BLOCK_E``) are loaded
 once and every candidate is priced on them in registers; longer rows are walked once per
@@ -42,19 +48,23 @@ MAX_TILE = 8192
 
 @triton.jit
 def _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT: tl.constexpr,
-          WEIGHTED: tl.constexpr, NORM: tl.constexpr):
+          WEIGHTED: tl.constexpr, NORM: tl.constexpr, SQ32: tl.constexpr):
     """Each element's float64 term under per-row scales ``s`` (and zero points ``z``, an
-    integer format's; not read for a float one), ``[rows, 1]``: ``float64(d * d)`` of
-    ``d = fake_quant(x) - x`` (the square rounded to float32, as the C kernel and the torch
-    path round it; another ``NORM``: ``|d| ** NORM`` rounded to float32), or weighted
-    ``float64(w) * float64(d * d)`` (the product rounded once: the weighted search's
-    arithmetic). An integer format's, or a float element format's (zero point 0, ``qmax``
-    its max)."""
+    integer format's; not read for a float one), ``[rows, 1]``: ``float64(d) * float64(d)``
+    of ``d = fake_quant(x) - x`` (exact, as the C kernel and the torch path square it;
+    ``SQ32``: ``float64(d * d)``, rounded to float32; another ``NORM``: ``|d| ** NORM``
+    rounded to float32), or weighted ``float64(w) * t`` (the product rounded once: the
+    weighted search's arithmetic). An integer format's, or a float element format's (zero
+    point 0, ``qmax`` its max)."""
     if FLOAT:
         q = fake_quant_fp(x, s, qmax, min_exp, mbits)
     else:
         q = fake_quant(x, s, z, qmin, qmax)
-    t = norm_term(q - x, NORM).to(tl.float64)
+    if NORM == 2.0 and not SQ32:
+        d = (q - x).to(tl.float64)
+        t = d * d
+    else:
+        t = norm_term(q - x, NORM).to(tl.float64)
     if WEIGHTED:
         return t * w.to(tl.float64)
     return t
@@ -62,7 +72,8 @@ def _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT: tl.constexpr,
 
 @triton.jit
 def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, mbits,
-                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr):
+                    FLOAT: tl.constexpr, WEIGHTED: tl.constexpr, NORM: tl.constexpr,
+                    SQ32: tl.constexpr):
     """:func:`_term` under candidate ``k`` of rows ``rows`` (``z_ptr``: int32 zero points,
     not read for a float format)."""
     row = tl.cast(k, tl.int64) * U  # K * U may pass 2 ** 31
@@ -70,7 +81,7 @@ def _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp, 
     z = s
     if not FLOAT:
         z = tl.load(z_ptr + row + rows, mask=rmask, other=0).to(tl.float32)[:, None]
-    return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED, NORM)
+    return _term(x, w, s, z, qmin, qmax, min_exp, mbits, FLOAT, WEIGHTED, NORM, SQ32)
 
 
 @triton.jit
@@ -86,7 +97,7 @@ def _weights(wbase, cols, mask, x, WEIGHTED: tl.constexpr):
 def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride_w, qmin, qmax,
                   min_exp, mbits, BLOCK_U: tl.constexpr, BLOCK_E: tl.constexpr,
                   ONE_TILE: tl.constexpr, FLOAT: tl.constexpr, WEIGHTED: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, SQ32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rmask = rows < U
     U64 = tl.cast(U, tl.int64)  # the output's row offsets: K * U may pass 2 ** 31
@@ -99,7 +110,7 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
         w = _weights(wbase, cols, mask, x, WEIGHTED)
         for k in range(K):
             t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
-                                mbits, FLOAT, WEIGHTED, NORM)
+                                mbits, FLOAT, WEIGHTED, NORM, SQ32)
             tl.store(out_ptr + k * U64 + rows, tl.sum(tl.where(mask, t, 0.0), axis=1),
                      mask=rmask)
     else:
@@ -111,13 +122,13 @@ def _price_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, U, E, K, stride_u, stride
                 x = tl.load(base + cols[None, :], mask=mask, other=0.0)
                 w = _weights(wbase, cols, mask, x, WEIGHTED)
                 t = _candidate_term(x, w, s_ptr, z_ptr, k, U, rows, rmask, qmin, qmax, min_exp,
-                                    mbits, FLOAT, WEIGHTED, NORM)
+                                    mbits, FLOAT, WEIGHTED, NORM, SQ32)
                 acc += tl.where(mask, t, 0.0)
             tl.store(out_ptr + k * U64 + rows, tl.sum(acc, axis=1), mask=rmask)
 
 
 def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_e,
-           weights=None, norm=2.0):
+           weights=None, norm=2.0, float32_squares=False):
     """The launch both element kinds share: ``zero_point`` None for a float format,
     ``weights`` None unweighted."""
     U, E = units.shape
@@ -133,30 +144,33 @@ def _price(units, scale, zero_point, qmin, qmax, min_exp, mbits, block_u, block_
         units, weights if weighted else units, scale, scale if is_float else zero_point, out,
         U, E, K, units.stride(0), weights.stride(0) if weighted else 0, float(qmin),
         float(qmax), int(min_exp), int(mbits), BLOCK_U=bu, BLOCK_E=be, ONE_TILE=one_tile,
-        FLOAT=is_float, WEIGHTED=weighted, NORM=float(norm), **LAUNCH)
+        FLOAT=is_float, WEIGHTED=weighted, NORM=float(norm), SQ32=bool(float32_squares),
+        **LAUNCH)
     return out
 
 
 def mse_price_int(units: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                   qmin: float, qmax: float, *, weights: torch.Tensor | None = None,
-                  norm: float = 2.0, block_u: int | None = None,
-                  block_e: int | None = None) -> torch.Tensor:
+                  norm: float = 2.0, float32_squares: bool = False,
+                  block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
     """Float64 ``[K, U]`` squared (``norm``: ``|d| ** norm``) errors of candidates ``scale``
     (float32 ``[K, U]``) and ``zero_point`` (int32 ``[K, U]``), both contiguous, on float32
     ``units [U, E]`` whose rows are contiguous (``weights``: float32 ``[U, E]``, rows
-    contiguous, or None)."""
-    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e, weights, norm)
+    contiguous, or None; ``float32_squares``: the module doc's)."""
+    return _price(units, scale, zero_point, qmin, qmax, 0, 0, block_u, block_e, weights, norm,
+                  float32_squares)
 
 
 def mse_price_fp(units: torch.Tensor, scale: torch.Tensor, fmax: float, min_exp: int,
                  mbits: int, *, weights: torch.Tensor | None = None, norm: float = 2.0,
-                 block_u: int | None = None, block_e: int | None = None) -> torch.Tensor:
+                 float32_squares: bool = False, block_u: int | None = None,
+                 block_e: int | None = None) -> torch.Tensor:
     """Float64 ``[K, U]`` squared (``norm``: ``|d| ** norm``) errors of candidate effective
     scales ``scale`` (float32 ``[K, U]``, contiguous) under a float element format
     (``FloatFormat``'s ``max``, ``min_exp`` and ``mbits``; zero point 0) on float32
     ``units [U, E]`` whose rows are contiguous (``weights``: as :func:`mse_price_int`'s)."""
     return _price(units, scale, None, -fmax, fmax, min_exp, mbits, block_u, block_e, weights,
-                  norm)
+                  norm, float32_squares)
 
 
 @triton.jit
