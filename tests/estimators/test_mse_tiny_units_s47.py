@@ -148,3 +148,31 @@ def test_llmcompressor_compat_at_norm_2_keeps_float32_squares(backend):
     assert ref.index.tolist() == [0] * units.shape[0]
     assert torch.equal(got.index, ref.index)
     assert torch.equal(got.lo, ref.lo) and torch.equal(got.hi, ref.hi)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ops", _KERNEL])
+@pytest.mark.parametrize("seed", [2, 4])  # the lowest total under global amax 1, 3 of 0..3
+def test_nvfp4_global_amax_is_chosen_alike_on_tiny_weights(seed, backend):
+    # the totals that pick NVFP4's global amax were sums of float32 errors, 0 for every
+    # global amax at 2 ** -80: the first stood. They are float64 sums of the float64 errors
+    spec = presets.NVFP4
+    units = spec.layout.to_units(weight(seed))
+    ref = mse_search(units, None, None, spec, backend=backend)
+    assert float(ref.global_amax) > float(units.abs().max())  # not the first global amax
+    for k in KS:
+        res = mse_search(units * 2.0 ** k, None, None, spec, backend=backend)
+        assert torch.equal(res.global_amax, ref.global_amax * 2.0 ** k), k
+        assert torch.equal(res.index, ref.index), k
+        assert torch.equal(res.hi, ref.hi * 2.0 ** k), k
+
+
+@pytest.mark.parametrize(("name", "seed"), [("memoryless_mse", 4), ("nvfp4_expanded_mse", 3)])
+def test_nvfp4_observers_scale_their_qparams_with_tiny_weights(name, seed):
+    x = weight(seed)  # a lowest total under another global amax than the first
+    ref = quantscope.get_observer(name, presets.NVFP4)
+    ref(x)
+    for k in KS:
+        o = quantscope.get_observer(name, presets.NVFP4)
+        o(x * 2.0 ** k)
+        got, want = o.calculate_qparams(), ref.calculate_qparams()
+        assert torch.equal(got.effective_scale, want.effective_scale * 2.0 ** k), k

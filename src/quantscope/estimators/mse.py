@@ -84,8 +84,8 @@ BACKENDS = (None, "torch", "kernel", "ops")
 class SearchResult(tuple):
     """``(lo, hi)`` of the chosen ranges, with the search's by-products as attributes.
 
-    ``error`` is each unit's error at its chosen range (the search's own measure; the
-    compat kernel engine, :mod:`.mse_compat`, computes it on first access, from the units
+    ``error`` is each unit's error at its chosen range (the search's own measure, float32;
+    the compat kernel engine, :mod:`.mse_compat`, computes it on first access, from the units
     searched, which must not have changed in place since);
     ``global_amax`` the NVFP4 global amax the ranges were chosen under (None
     otherwise); ``index`` the chosen candidate per unit.
@@ -104,8 +104,8 @@ class SearchResult(tuple):
         return self._error
 
     @error.setter
-    def error(self, value):
-        self._error = value
+    def error(self, value):  # the engines' float64 errors, kept as float32
+        self._error = value.float() if isinstance(value, torch.Tensor) else value
 
 
 #: the most candidates one search tries (llm-compressor's grid has 20, the expanded NVFP4
@@ -381,9 +381,10 @@ def _global_amaxes(ga0, spec, encoding_aware, global_grid):
 
 
 def _lowest_total(results, gas):
-    """The result under the global amax with the lowest total error, picked by indexing,
-    not by a Python branch on a tensor value (no device read-back); argmin keeps the first
-    of equal totals."""
+    """The result under the global amax with the lowest total error (of the engines' float64
+    errors: float32 ones of tiny units underflow to 0 and tie), picked by indexing, not by a
+    Python branch on a tensor value (no device read-back); argmin keeps the first of equal
+    totals."""
     k = torch.stack([r[2].sum() for r in results]).argmin().reshape(1)
 
     def pick(parts):

@@ -271,7 +271,7 @@ class _Search:
         j, take = idx.clamp(min=0), idx >= 0  # the chosen candidates' ranges, built as before
         return (torch.where(take, self.lo * self.f_lo[j], self.incumbent[0]),
                 torch.where(take, self.hi * self.f_hi[j], self.incumbent[1]),
-                self.state.best.float(), idx)
+                self.state.best, idx)
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, **kw):

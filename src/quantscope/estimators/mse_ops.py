@@ -128,7 +128,7 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, patience, per_unit, tie, incumben
     if incumbent is None:  # no candidate priced below float32's max: the first, as torch's
         incumbent = (lo * f_lo[0], hi * f_hi[0])
     return (torch.where(take, lo * f_lo[j], incumbent[0]),
-            torch.where(take, hi * f_hi[j], incumbent[1]), best.float(), idx)
+            torch.where(take, hi * f_hi[j], incumbent[1]), best, idx)
 
 
 def _nvfp4(units, lo, hi, f, incumbent, global_amax, spec, patience, per_unit, tie, n_ext,

@@ -250,4 +250,4 @@ def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, ex
             for j in range(lo_c.shape[0]):
                 st.step(total + start + j, err[j], lo_c[j], hi_c[j], sc[j], zp[j], sub=sub,
                         **rule)
-    return st.lo, st.hi, st.err.float(), st.idx  # float32, as the kernel's
+    return st.lo, st.hi, st.err, st.idx  # float64 where priced so, as the kernel's
