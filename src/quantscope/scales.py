@@ -157,7 +157,8 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding | str) -> torch.Te
 
     Positive finite scales stay positive and finite: fp16 / bf16 / pow2 saturate
     at their largest value and stop at their smallest positive one instead of
-    overflowing to inf or flushing to 0. E8M0 needs the block amax and the
+    overflowing to inf or flushing to 0; an inf scale takes the largest value, a NaN one
+    stays NaN (every encoding alike). E8M0 needs the block amax and the
     element format: use :func:`e8m0_scale`. ``encoding``: a :class:`ScaleEncoding` or its
     name, read as :class:`~quantscope.QuantSpec` reads it (``"fp16"``, ``"pow2:floor"``).
     """
@@ -170,15 +171,17 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding | str) -> torch.Te
         tiny = info.smallest_normal * info.eps  # smallest subnormal
         return scale.float().clamp(tiny, info.max).to(_DTYPES[kind]).float()
     if kind == "pow2":
+        scale = scale.float()
         if encoding.mode == "round":
             # exact round(log2 s): up iff the mantissa is >= sqrt 2 (float32 log2 is not exact)
-            m, e = torch.frexp(scale.float())
+            m, e = _frexp(scale)
             k = torch.where(m * 2 > _SQRT2_F32, e, e - 1)
         elif encoding.mode == "floor":
             k = _floor_log2(scale)
         else:
             k = _ceil_log2(scale)
-        return _exp2(k.clamp_(-149, 127))
+        # a NaN scale stays NaN, as the other encodings keep it (frexp gives it exponent 0)
+        return torch.where(scale.isnan(), scale, _exp2(k.clamp_(-149, 127)))
     if kind == "fp8_e4m3":
         return FP8_E4M3.round(scale)
     raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
