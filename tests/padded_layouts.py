@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import quantscope
+from quantscope.observers import base
 from quantscope.stats import minmax as stats
 from quantscope.stats import minmax_layouts
 
@@ -58,3 +60,16 @@ def tensor(shape, dtype, seed, bad=()):
     for i, v in enumerate(bad):
         x.view(-1)[(i * 7919) % x.numel()] = v
     return x.to(dtype)
+
+
+def assert_as_units_path(monkeypatch, got, name, spec, kw, xs):
+    """``got`` (observer ``name`` fed ``xs``) holds the units path's state bit for bit: the
+    same observer fed ``xs`` with ``layout_minmax`` turned off; its scales equal too."""
+    monkeypatch.setattr(base, "layout_minmax", lambda *args: None)
+    want = quantscope.get_observer(name, spec, **kw)
+    for x in xs:
+        want(x)
+    assert torch.equal(bits(got.min_vals), bits(want.min_vals))
+    assert torch.equal(bits(got.max_vals), bits(want.max_vals))
+    qg, qw = got.calculate_qparams(), want.calculate_qparams()
+    assert torch.equal(qg.scale, qw.scale) and torch.equal(qg.zero_point, qw.zero_point)

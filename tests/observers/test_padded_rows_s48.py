@@ -17,11 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from op_names import Copies
-from padded_layouts import bits, kernel_copy_path, ties
+from padded_layouts import assert_as_units_path, bits, kernel_copy_path, ties
 
 import quantscope
 from quantscope import Block, presets
-from quantscope.observers import base
 from quantscope.stats import minmax as stats
 from quantscope.stats import minmax_layouts
 
@@ -129,14 +128,7 @@ def test_observers_read_padded_rows_in_place(name, spec, shape, dtype, monkeypat
         ptrs.append(got.min_vals.data_ptr())
     if name == "memoryless_minmax":  # the state's memory, written in place after the first
         assert ptrs[1] == ptrs[2] == ptrs[0]
-    monkeypatch.setattr(base, "layout_minmax", lambda *args: None)  # the units path
-    want = quantscope.get_observer(name, spec, **kw)
-    for x in xs:
-        want(x)
-    assert torch.equal(bits(got.min_vals), bits(want.min_vals))
-    assert torch.equal(bits(got.max_vals), bits(want.max_vals))
-    qg, qw = got.calculate_qparams(), want.calculate_qparams()
-    assert torch.equal(qg.scale, qw.scale) and torch.equal(qg.zero_point, qw.zero_point)
+    assert_as_units_path(monkeypatch, got, name, spec, kw, xs)
     got(ties(shape, dtype, 4, (float("nan"),)))
     with pytest.raises(ValueError, match="NaN or inf"):
         got.calculate_qparams()

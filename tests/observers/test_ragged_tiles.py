@@ -13,11 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from op_names import Copies
-from padded_layouts import bits, copy_path, tensor
+from padded_layouts import assert_as_units_path, bits, copy_path, tensor
 
 import quantscope
 from quantscope import Block, QuantSpec, Tile
-from quantscope.observers import base
 from quantscope.stats import minmax as stats
 from quantscope.stats import minmax_layouts
 
@@ -59,13 +58,7 @@ def test_observers_read_ragged_tiles_in_place(name, shape, tile, monkeypatch):
         with Copies(x) as copies:
             got(x)
         assert copies.found == [], f"copied by {copies.found}"
-    monkeypatch.setattr(base, "layout_minmax", lambda *args: None)  # the units path
-    want = quantscope.get_observer(name, spec, **kw)
-    for x in xs:
-        want(x)
-    assert torch.equal(bits(got.min_vals), bits(want.min_vals))
-    assert torch.equal(bits(got.max_vals), bits(want.max_vals))
-    assert torch.equal(got.calculate_qparams().scale, want.calculate_qparams().scale)
+    assert_as_units_path(monkeypatch, got, name, spec, kw, xs)
     got(tensor(shape, torch.float32, 3, bad=(float("nan"),)))
     with pytest.raises(ValueError, match="NaN or inf"):
         got.calculate_qparams()
