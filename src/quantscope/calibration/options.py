@@ -206,8 +206,9 @@ class Outliers:
             **Changes the model's parameters in place**. None: no smoothing.
         keep_float: this many activations, those whose quantization moves their own layer's
             output most (one more forward on the first batch), stay out of static
-            quantization; ``calibration.info["keep_float"]`` lists them. Across ranks both
-            read the first batch of the lowest rank that holds one (:mod:`.run.outliers`).
+            quantization; ``calibration.info["keep_float"]`` lists them. "The first batch"
+            is the first holding a value (one of 0 rows passes every module through); across
+            ranks both read that of the lowest rank that holds one (:mod:`.run.outliers`).
         fallback: what those get: ``"dynamic"`` per-token qparams at run time in the same
             format, or ``"float"``.
     """
@@ -361,7 +362,7 @@ class Options:
         for name, kind in _KINDS.items():
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "sequential" and value is None):
-                raise TypeError(f"calibrate: {name} must be a {kind.__name__}, got "
+                raise TypeError(f"calibrate: {name} must be {kind.__name__}(...), got "
                                 f"{type(value).__name__}")
         _bool("Options", "progress", self.progress)
 

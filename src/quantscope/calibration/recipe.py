@@ -73,6 +73,8 @@ class Role:
             raise TypeError(f"Role.spec must be a QuantSpec, got {type(self.spec).__name__}")
         if not isinstance(self.observer, str) or not self.observer:
             raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
+        if self.observer.lower() == AUTO:  # any case, as the registry reads the other names
+            object.__setattr__(self, "observer", AUTO)
         # by identity: 1 == True, but everything downstream asks `dynamic is True`
         if not (self.dynamic is True or self.dynamic is False or self.dynamic == "local"):
             raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
@@ -242,8 +244,13 @@ class Recipe:
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
         """The rule that takes the module ``name``: the first whose targets match it, None
         where the ignore list holds it or no rule does (the root module: never)."""
-        i = self._lookups[1](name, module) if name and not self.ignored(name, module) else None
+        i = self.rule_index(name, module)
         return None if i is None else self.rules[i]
+
+    def rule_index(self, name: str, module: nn.Module) -> int | None:
+        """The index in :attr:`rules` of :meth:`rule_for`'s rule (None: no rule's)."""
+        return self._lookups[1](name, module) if name and not self.ignored(name, module) \
+            else None
 
     def ignored(self, name: str, module: nn.Module) -> bool:
         """Whether the ignore list holds the module ``name``."""

@@ -16,7 +16,7 @@ import numpy as np
 from .._plainchecks import spelt_as_scheme
 
 __all__ = ["FirstMatch", "built", "fields_from", "matches", "own_options", "patterns",
-           "preset_key", "role_options"]
+           "preset_key", "role_options", "unmatched"]
 
 
 def fields_from(cls, d, where: str, **read) -> dict:
@@ -165,8 +165,7 @@ class FirstMatch:
                     self._plain.setdefault(p, i)
 
     def __call__(self, name: str, module) -> int | None:
-        keys = [name, *(k for c in type(module).__mro__  # the keys matches() compares whole
-                        for k in (c.__name__, f"{c.__module__}.{c.__qualname__}"))]
+        keys = _keys(name, module)
         hit = min((self._plain[k] for k in keys if k in self._plain), default=None)
         for i in self._other:
             if hit is not None and i >= hit:
@@ -174,6 +173,22 @@ class FirstMatch:
             if any(matches(p, name, module) for p in self._lists[i]):
                 return i
         return hit
+
+
+def _keys(name: str, module) -> list[str]:
+    """The strings a plain pattern takes the module by: its name, its classes' names."""
+    return [name, *(k for c in type(module).__mro__  # the keys matches() compares whole
+                    for k in (c.__name__, f"{c.__module__}.{c.__qualname__}"))]
+
+
+def unmatched(patterns, named) -> list[str]:
+    """The ones of ``patterns`` that take none of the ``(name, module)`` pairs ``named``
+    (plain ones looked up, as :class:`FirstMatch` does)."""
+    named = list(named)
+    keys = {k for n, m in named for k in _keys(n, m)}
+    return [p for p in dict.fromkeys(patterns)
+            if (p not in keys if not p.startswith("re:") and _WILD.isdisjoint(p)
+                else not any(matches(p, n, m) for n, m in named))]
 
 
 def preset_key(name, presets) -> str:

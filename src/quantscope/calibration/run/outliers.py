@@ -1,9 +1,11 @@
 """What goes around the calibration pass (:class:`~..options.Outliers`): SmoothQuant before it,
-its ranges from the first batch, and the float fallback after it, ranked on that batch.
+its ranges from the first batch, and the float fallback after it, ranked on that batch. The
+first batch is the first that holds a value: one of 0 rows passes every module through, and
+would leave SmoothQuant no range to measure and the fallback nothing to rank.
 
 Across ranks (``Runtime(distributed=True)``) the ranks may pass their own batches, so each
 holds another first batch, or none. Both steps then read one batch: the first of the lowest
-rank that holds one, on that rank. SmoothQuant's ranges are measured there (the other ranks
+rank that holds one (holding a value, where any rank's does), on that rank. SmoothQuant's ranges are measured there (the other ranks
 add the reduction's identities) and the fallback's ranking is made there, then shared: every
 rank smooths and keeps in float what one process given that batch first does. Each on its
 own first batch, the ranks would keep different tensors in float (the writing rank's
@@ -12,6 +14,8 @@ calibration not the others') and smooth on the union of their first batches.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +23,7 @@ from ... import comm as qd
 from ..choice import smooth as _smooth
 from ..choice.sensitivity import fall_back
 from ..options import Outliers, Runtime
-from ..structure.fusion import peek
+from .batches import sized_like, tensors_in
 
 __all__ = ["around"]
 
@@ -31,10 +35,11 @@ def around(model, batches, run, outliers: Outliers, runtime: Runtime) -> dict:
     copy of the smoothed ones) until it returns."""
     if outliers.smooth is None and not outliers.keep_float:
         return run(batches)
-    first, batches = peek(batches)
+    first, batches = _first_with_rows(batches)
     group = runtime.group
     across = runtime.distributed and qd.is_distributed(group)
-    src = _lowest_holder(first is not None, group) if across else None
+    held = 0 if first is None else 1 + _holds_value(first)
+    src = _lowest_holder(held, group) if across else None
     mine = first if not across or src == qd.rank(group) else None  # the batch read here
     smoothed, originals = None, {}
     try:
@@ -57,13 +62,40 @@ def around(model, batches, run, outliers: Outliers, runtime: Runtime) -> dict:
     return out
 
 
-def _lowest_holder(holds: bool, group) -> int | None:
-    """The rank whose first batch the outliers' steps read: the lowest of ``group`` that
-    ``holds`` one; None where none does (every rank then smooths nothing and raises
-    keep_float's error, as one process given no batch)."""
-    flags = qd.all_gather(torch.tensor([int(holds)], device=qd.group_device(group)), group)
-    holders = flags.flatten().nonzero().flatten().tolist()
-    return holders[0] if holders else None
+def _lowest_holder(held: int, group) -> int | None:
+    """The rank whose first batch the outliers' steps read: the lowest of ``group`` whose
+    batch ``held`` most (2: a value, 1: a batch of 0 rows only, 0: no batch); None where none
+    holds a batch (every rank then smooths nothing and raises keep_float's error, as one
+    process given no batch)."""
+    ranks = qd.all_gather(torch.tensor([held], device=qd.group_device(group)), group)
+    ranks = ranks.flatten().tolist()
+    return ranks.index(max(ranks)) if max(ranks) else None
+
+
+def _holds_value(batch) -> bool:
+    """Whether ``batch`` (a tensor, or a mapping / sequence of them) holds an element: False
+    where it holds tensors and each is empty (0 rows); True where it holds no tensor at all
+    (nothing to tell by)."""
+    found = [t.numel() > 0 for t in tensors_in(batch)]
+    return not found or any(found)
+
+
+def _first_with_rows(batches):
+    """``(the batch the outliers' steps read, batches)``, nothing consumed from ``batches``
+    (a stream stays one, of its source's length): the first that holds a value, else the
+    first (None: no batch)."""
+    if isinstance(batches, (list, tuple)):
+        first = batches[0] if batches else None
+        return next((b for b in batches if _holds_value(b)), first), batches
+    it, seen = iter(batches), []
+    for b in it:
+        seen.append(b)
+        if _holds_value(b):
+            break
+    if not seen:
+        return None, []
+    return (seen[-1] if _holds_value(seen[-1]) else seen[0]), \
+        sized_like(itertools.chain(seen, it), batches)
 
 
 def _ranker(src: int, group):

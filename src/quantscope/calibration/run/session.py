@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import fields
 
 import torch
@@ -70,13 +71,15 @@ from .observe import (
 )
 from .outliers import around
 from .tied_roles import check_groups, check_recipes, check_states
-from .unused_options import warn_unused_activation_options, warn_unused_moe
+from .unused_options import warn_idle_rules, warn_unused_activation_options, warn_unused_moe
 
 __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_many",
            "calibrate_with", "sensitivity"]
 
 
 def _as_recipe(recipe, observer) -> Recipe:
+    if isinstance(observer, str) and observer.lower() == AUTO:  # as the registry reads names
+        observer = AUTO
     if isinstance(recipe, str):
         recipe = preset(recipe, observer)  # None: the preset's own (nvfp4 inputs differ)
     elif not isinstance(recipe, Recipe):
@@ -257,6 +260,7 @@ def _checked(model, recipes, opts: Options, top=False) -> dict[str, Recipe]:
         _check_auto(recipes, opts.auto)
         check_recipes(model, recipes, opts.auto)  # tied weights two roles would split
         warn_unused_activation_options(recipes, opts)
+        warn_idle_rules(model, recipes)
     if seq is not None:
         if opts.outliers.keep_float:
             check_fallback(opts.outliers.keep_float, opts.outliers.fallback, True)
@@ -307,6 +311,9 @@ def _as_recipes(recipes, inner=False) -> dict[str, Recipe]:
     would replace a candidate, or be replaced)."""
     if isinstance(recipes, (str, Recipe)):
         recipes = [recipes]
+    if not isinstance(recipes, Iterable):  # (a dict, a list, a tuple, a generator)
+        raise TypeError(f"calibrate: recipes must be a preset name, a Recipe, a list of them "
+                        f"or a dict {{label: recipe}}, got {type(recipes).__name__}")
     if not isinstance(recipes, dict):
         recipes = [_as_recipe(r, None) for r in recipes]
         names = [r.name for r in recipes]

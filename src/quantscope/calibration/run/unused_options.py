@@ -1,5 +1,6 @@
 """Options set where they would change nothing: warned about, not silently ignored (a
-field at its default counts as not set, as in :func:`~..options.from_keywords`).
+field at its default counts as not set, as in :func:`~..options.from_keywords`); so are a
+recipe's targets that match no module and its rules that take none (:func:`warn_idle_rules`).
 
 Each applies to some roles only: sampled rows and the ``missing`` policy to activation
 roles (the KV cache's too), ``MoE.min_tokens`` to the static activation ranges of experts
@@ -12,8 +13,9 @@ import warnings
 
 from ..._checks import outside_quantscope
 from ..options import MoE, Options, Runtime, Sampling
+from ..recipe_dict import unmatched
 
-__all__ = ["warn_unused_activation_options", "warn_unused_moe"]
+__all__ = ["warn_idle_rules", "warn_unused_activation_options", "warn_unused_moe"]
 
 
 def _roles(recipes):
@@ -50,3 +52,27 @@ def warn_unused_moe(recipes, moe: MoE, has_experts: bool) -> None:
         warnings.warn(f"calibrate: {moe} changes nothing: min_tokens shrinks experts' static "
                       f"activation ranges and no recipe here has one (weight-only or "
                       f"dynamic)", stacklevel=outside_quantscope())
+
+
+def warn_idle_rules(model, recipes) -> None:
+    """Each recipe's targets that match no module of ``model`` (a misspelt name: the ignore
+    list's modules count as matched) and its rules that take no module (every module they
+    match ignored or taken by an earlier rule: the first rule that matches takes it), where
+    the recipe takes some module (one taking none raises in :meth:`~..recipe.Recipe.match`).
+    compressed-tensors warns of such targets too ("Could not match")."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    for rec in recipes.values():
+        taken = {rec.rule_index(n, m) for n, m in named} - {None}
+        if not taken:
+            continue
+        lost = unmatched([t for r in rec.rules for t in r.targets], named)
+        said = [(f"targets {lost} match no module (a misspelt name? a target is a module's "
+                 f"name, a class name, or a glob / re: pattern)")] if lost else []
+        said += [f"rules[{i}] (targets {list(r.targets)}) takes no module: each module it "
+                 f"matches is ignored or taken by an earlier rule (the first rule that matches "
+                 f"a module takes it: put a narrower rule first)"
+                 for i, r in enumerate(rec.rules)
+                 if i not in taken and not set(r.targets) <= set(lost)]
+        if said:
+            warnings.warn(f"calibrate: recipe {rec.name!r}: {'; '.join(said)}",
+                          stacklevel=outside_quantscope())

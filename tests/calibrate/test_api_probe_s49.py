@@ -1,0 +1,180 @@
+"""Session 49's calibration-API probe: rules that take nothing are warned about, a first batch
+of 0 rows no longer leaves SmoothQuant and keep_float nothing to read, and three errors name
+what they are about."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import quantscope
+from quantscope import QuantSpec
+from quantscope.calibration import Outliers, Recipe, Role, Rule, calibrate_many
+
+W8 = Role(QuantSpec("int8", "channel"), "minmax")
+W4 = Role(QuantSpec("int4", "channel"), "minmax")
+
+
+class TwoProj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.down_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.q_proj(x)))
+
+
+def _calibrate(recipe, model=None, batches=None):
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = quantscope.calibrate(model or TwoProj(), batches or [torch.randn(4, 16)], recipe,
+                                 progress=False)
+    return c, [str(w.message) for w in caught if "recipe" in str(w.message)], caught
+
+
+@pytest.mark.parametrize("recipe, said", [
+    (Recipe((Rule(("q_proj",), weight=W8), Rule(("down_prj",), weight=W4))),
+     "targets ['down_prj'] match no module"),
+    (Recipe((Rule(("q_proj", "down_prj"), weight=W8),)), "targets ['down_prj'] match no module"),
+    (Recipe((Rule(("q_proj",), weight=W8), Rule(("re:.*dwn_proj$",), weight=W4))),
+     "targets ['re:.*dwn_proj$'] match no module"),
+    (Recipe((Rule(("q_proj",), weight=W8), Rule(("*.dwn*",), weight=W4))),
+     "targets ['*.dwn*'] match no module"),
+    (Recipe((Rule(("re:.*_proj$", "TwoProj"), weight=W8),)),  # the root is never a layer
+     "targets ['TwoProj'] match no module"),
+    (Recipe((Rule(("Linear",), weight=W8), Rule(("down_proj",), weight=W4))),
+     ("rules[1] (targets ['down_proj']) takes no module: each module it matches is ignored or "
+      "taken by an earlier rule")),
+    (Recipe((Rule(("q_proj",), weight=W8), Rule(("down_proj",), weight=W4)),
+            ignore=("down_proj",)), "rules[1] (targets ['down_proj']) takes no module"),
+])
+def test_a_rule_or_target_taking_nothing_is_warned_naming_it(recipe, said):
+    c, told, caught = _calibrate(recipe)
+    assert sorted(c.states)  # the rest calibrated
+    assert len(told) == 1 and said in told[0], told
+    assert told[0].startswith("calibrate: recipe 'custom': ")
+    assert {w.filename for w in caught if "recipe" in str(w.message)} == {__file__}
+
+
+@pytest.mark.parametrize("recipe", [
+    Recipe((Rule(("down_proj",), weight=W4), Rule(("Linear",), weight=W8))),  # narrower first
+    Recipe((Rule(("Linear",), weight=W8),), ignore=("down_prj",)),  # an ignore entry: silent
+    "w8a8",
+])
+def test_rules_that_all_take_a_module_are_not_warned(recipe):
+    c, told, _ = _calibrate(recipe)
+    assert told == [] and sorted(c.states) == ["down_proj", "q_proj"]
+
+
+def test_a_recipe_taking_nothing_still_raises_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="no module matches targets"):
+            quantscope.calibrate(TwoProj(), [torch.randn(2, 16)],
+                                 Recipe((Rule(("k_proj",), weight=W8),)), progress=False)
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, h):
+        return self.q_proj(h) * self.k_proj(h).sigmoid() + self.v_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = nn.LayerNorm(16), Attn()
+
+    def forward(self, x):
+        return x + self.self_attn(self.input_layernorm(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.Sequential(Block(), Block()), nn.Linear(16, 4)
+
+    def forward(self, x):  # (a dict batch {"x": ...} is passed as keywords)
+        return self.head(self.blocks(x))
+
+
+def _smoothable():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def _real_batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 16, generator=g) * torch.linspace(0.1, 20, 16) for _ in range(3)]
+
+
+def _outcome(batches, outliers):
+    model = _smoothable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = quantscope.calibrate(model, batches, "w8a8", outliers=outliers, progress=False)
+    return (c.info.get("smooth"), c.info.get("keep_float"),
+            {k: v.tolist() for k, v in c.smoothing.items()},
+            {(n, r): s.qparams and s.qparams.scale.tolist() for n, rs in c.states.items()
+             for r, s in rs.items()})
+
+
+@pytest.mark.parametrize("outliers", [Outliers(smooth=0.5), Outliers(keep_float=2)])
+@pytest.mark.parametrize("empty", [torch.randn(0, 16), (torch.randn(0, 16),),
+                                   {"x": torch.randn(0, 16)}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_leading_batches_of_zero_rows_do_not_empty_smoothing_or_keep_float(outliers, empty,
+                                                                           stream):
+    real = _real_batches()
+    want = _outcome(real, outliers)
+    head = [copy.deepcopy(empty), copy.deepcopy(empty)]
+    if isinstance(empty, dict):  # a model called with a dict batch takes its keys
+        real = [{"x": b} for b in real]
+        want = _outcome(real, outliers)
+    batches = head + real
+    got = _outcome(iter(batches) if stream else batches, outliers)
+    assert got == want
+    assert (want[0] or {}).get("skipped", []) == [] and (want[2] or want[1]["tensors"])
+
+
+def test_only_zero_row_batches_read_the_first_as_before():
+    # nothing to measure anywhere: smoothing skips every pair as it did
+    c = _outcome([torch.randn(0, 16)] * 2, Outliers(smooth=0.5))
+    assert c[0]["smoothed"] == [] and c[2] == {}
+
+
+def test_calibrate_many_names_recipes_of_a_wrong_type():
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=r"calibrate: recipes must be a preset name, a "
+                                            r"Recipe, a list of them or a dict .* got "
+                                            + type(bad).__name__):
+            calibrate_many(TwoProj(), [torch.randn(2, 16)], bad, progress=False)
+    got = calibrate_many(TwoProj(), [torch.randn(2, 16)], (r for r in ["w8a8"]),
+                         progress=False)  # any iterable of recipes, as before
+    assert list(got) == ["w8a8"]
+
+
+def test_auto_is_read_in_any_case_as_the_other_observer_names():
+    batches = [torch.randn(8, 16) for _ in range(2)]
+    torch.manual_seed(0)
+    want = quantscope.calibrate(TwoProj(), batches, "w8a8", observer="auto", progress=False)
+    for spelt in ("AUTO", "Auto"):
+        torch.manual_seed(0)
+        got = quantscope.calibrate(TwoProj(), batches, "w8a8", observer=spelt, progress=False)
+        assert got.info["auto"]["chose"] == want.info["auto"]["chose"]
+        assert got.info["auto"]["scores"] == want.info["auto"]["scores"]
+    assert Role(QuantSpec("int8", "tensor"), "AuTo").observer == "auto"
+
+
+def test_an_option_object_of_the_wrong_kind_is_named_as_its_class():
+    from quantscope.calibration import Sampling
+
+    with pytest.raises(TypeError, match=r"calibrate: auto must be Auto\(\.\.\.\), got Sampling"):
+        quantscope.calibrate(TwoProj(), [torch.randn(2, 16)], "w8a8", auto=Sampling(),
+                             progress=False)
