@@ -79,3 +79,18 @@ def meta_as_device(monkeypatch):
     from quantscope.calibration.run import session
 
     monkeypatch.setattr(session, "check_placement", lambda *args, **kwargs: None)
+
+
+@pytest.fixture(autouse=True)
+def _device_contexts_keep_torch_factories():
+    """A test that patches a torch factory (``torch.tensor``) while the first ``with
+    torch.device(...)`` of its process runs leaves the wrapper in torch's cached list of
+    factories (``torch.utils._device._device_constructors``): every later device context of
+    that worker leaves the real function on the CPU (transformers' meta init then made
+    ``from_pretrained`` hold uninitialised rotary tables, two files later). Named here, at
+    the test that did it."""
+    yield
+    factories = torch.utils._device._device_constructors()
+    assert torch.tensor in factories and torch.empty in factories, (
+        "this test left a patched torch factory in torch.utils._device's cache: patch it "
+        "after a `with torch.device(...)` has run (tests/calibrate/test_device_pass.py)")

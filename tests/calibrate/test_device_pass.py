@@ -41,8 +41,6 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, 
             uploads.found.append("torch.tensor")
         return real_tensor(data, *args, device=device, **kwargs)
 
-    monkeypatch.setattr(torch, "tensor", tensor)
-
     def end_of_pass(bad, model=None):
         reached.append(len(bad.watched))
         raise _PassEnded
@@ -50,6 +48,12 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, 
     monkeypatch.setattr(FirstBad, "check", end_of_pass)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 32))
+    # patched after a device context has run: the first one caches torch's factory functions
+    # (torch.utils._device), and a cached wrapper would leave the real torch.tensor out of
+    # every later `with torch.device(...)` in the process (transformers' meta init of the
+    # rotary tables then ran on the CPU: from_pretrained gave uninitialised inv_freq)
+    torch.utils._device._device_constructors()
+    monkeypatch.setattr(torch, "tensor", tensor)
     batches = [torch.empty(shape, device="meta") for shape in ((4, 128), (3, 128), (2, 5, 128))]
     with pytest.raises(_PassEnded), uploads:
         qs.calibrate(model, batches, preset(scheme, observer), progress=False)
