@@ -44,14 +44,26 @@ def patch_language_once() -> None:
     interpreter._patch_lang = patch_once
 
 
+CHILD = "QUANTSCOPE_FRESH_INTERPRETER"  # set in the child process's environment
+
+
 def fresh_interpreter_test(path: str):
     """A test that runs the test file ``path`` in a child process under the interpreter,
-    where this process cannot."""
+    where this process cannot.
+
+    It skips where triton is not installed (the optional ``gpu`` extra): a child could not
+    run the kernels either, and its own copy of this test would start another child, a
+    chain with no end. In a child (:data:`CHILD` set) that still cannot run them, it fails
+    instead of starting another."""
 
     def test_in_a_fresh_interpreter():
+        if not qs_triton.available():
+            pytest.skip("triton is not installed (the gpu extra)")
         if qs_triton.runs_on("cuda" if torch.cuda.is_available() else "cpu"):
             pytest.skip("the kernels run in this process")
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        if os.environ.get(CHILD):
+            pytest.fail("the kernels do not run in the fresh interpreter either")
+        env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
         run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x",
                               path], env=env, capture_output=True, text=True, check=False)
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
