@@ -20,15 +20,23 @@ def range_overflow(observer, lo: torch.Tensor, hi: torch.Tensor) -> ValueError |
     """The error for an observer whose range ``lo, hi`` is not finite though no NaN / inf was
     observed (its flag is clear): its own arithmetic overflowed float32, as its
     ``overflow_cause`` says; None where the range is finite (another refusal stands) or holds
-    NaN but is no moving average (a state written into: only an average's next update, inf -
-    inf, makes NaN of finite values). Only after a refusal: no read-back on the common path."""
+    NaN but is no moving average. NaN in a moving average's range has two causes that its
+    state cannot tell apart, and the error names both: an average that overflowed to inf
+    becomes NaN at the next batch's update (inf - inf), or NaN was written into the state
+    (``load_state_dict`` of a damaged checkpoint, an edit of its buffers; in other observers
+    the only way finite input gives NaN). Only after a refusal: no read-back on the common
+    path."""
     ends = torch.stack((lo, hi))
     if bool((ends.abs() < math.inf).all()):
         return None
     cause = getattr(observer, "overflow_cause", "its state overflowed float32")
-    if bool(ends.isnan().any()):
-        if EMA_OVERFLOW not in cause:
-            return None
-        cause += "; the next batch's update made NaN of the infinite average (inf - inf)"
-    return ValueError(f"{observer.describe()}: its range is not finite though every value it "
-                      f"observed was (|x| near float32's max, 3.4e38): {cause}")
+    if not bool(ends.isnan().any()):
+        return ValueError(f"{observer.describe()}: its range is not finite though every value "
+                          f"it observed was (|x| near float32's max, 3.4e38): {cause}")
+    if EMA_OVERFLOW not in cause:
+        return None
+    return ValueError(f"{observer.describe()}: its range holds NaN though no NaN / inf was "
+                      f"observed (its flag is clear): either {cause}, and the next batch's "
+                      f"update made NaN of the infinite average (inf - inf); or NaN was "
+                      f"written into its state (load_state_dict of a damaged checkpoint, an "
+                      f"edit of its buffers)")
