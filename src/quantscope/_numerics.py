@@ -49,15 +49,17 @@ def expansion_overflow(lo: torch.Tensor, hi: torch.Tensor, expand: float
                        ) -> tuple[float, str] | None:
     """``(the largest finite |end| of the ranges lo, hi, the dtype's name)`` where ``expand``
     takes an end past float32's max, or past the ranges' own dtype's where that is narrower
-    (fp16 statistics are expanded in fp16); None where none is. One host read, only where
-    ``expand != 1``."""
+    (fp16 statistics are expanded in fp16); None where none is. The product is taken in the
+    ranges' own dtype and only then held to the limit, so the answer is monotone in
+    ``expand``: a float64 end past float32's max that ``expand < 1`` brings back passes. One
+    host read, only where ``expand != 1``."""
     if expand == 1.0 or lo.is_meta:  # meta: shapes only, nothing to read
         return None
     amax = torch.maximum(lo.abs(), hi.abs())
     own = amax.dtype if amax.is_floating_point() else torch.float32
     limit = own if torch.finfo(own).max < torch.finfo(torch.float32).max else torch.float32
-    finite = amax.isfinite()  # (a float64 end past float32's max is taken past it, any expand)
-    if not bool((finite & ~(amax.to(limit) * expand).isfinite()).any()):
+    finite = amax.isfinite()
+    if not bool((finite & ~(amax * expand).to(limit).isfinite()).any()):
         return None
     return amax[finite].max().item(), str(limit).removeprefix("torch.")
 
