@@ -57,8 +57,8 @@ from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, 
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
-           "lib", "load", "plain", "qparams_consts", "read", "real", "real_tensor",
-           "set_streaming", "streaming", "threads", "writable", "write"]
+           "lib", "load", "out_buffers", "plain", "qparams_consts", "read", "real", "real_tensor",
+           "set_streaming", "streaming", "threads", "writable", "write", "wrote"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -274,6 +274,28 @@ def buffer(*shape: int, zero: bool = False) -> torch.Tensor:
     """A float32 CPU tensor for a kernel to write into (``zero``: zero-filled), whatever
     torch's default dtype and device: the kernels write float32 host memory."""
     return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device="cpu")
+
+
+def out_buffers(n: int, out_for=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[n]`` float32 tensors for a kernel to write: ``out_for(n)``'s (the caller's
+    memory, e.g. an observer's previous state: reused pages cost less than fresh ones of a
+    large result) where a kernel can write them as they are (contiguous ``[n]`` float32 CPU
+    tensors, :func:`real`), else two new :func:`buffer` s. :func:`wrote` after the call."""
+    out = None if out_for is None else out_for(n)
+    if out is not None and all(t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu
+                               and t.is_contiguous() for t in out) and real(*out):
+        return out
+    return buffer(n), buffer(n)
+
+
+def wrote(out: tuple[torch.Tensor, ...], failed: int) -> tuple[torch.Tensor, ...] | None:
+    """``out`` (:func:`out_buffers`) after a kernel's call into it returned ``failed``: its
+    versions bumped where the kernel wrote them, as in-place torch ops would (0, or a failure
+    after writing: -2, out of memory; not -1, sizes refused before any write); None where
+    the call failed."""
+    if failed != -1:
+        increment_version(out)
+    return None if failed else out
 
 
 #: the tensor types whose memory is their values: no subclass (a FakeTensor has none)

@@ -17,11 +17,10 @@ propagated, the sign of a -0.0 / +0.0 tie included), whatever the thread count.
 from __future__ import annotations
 
 import torch
-from torch.autograd.graph import increment_version
 
 from .. import kernels
 from ..layout import Group
-from .minmax import KERNEL_DTYPES, _kernel, _plain_f32, _threads
+from .minmax import KERNEL_DTYPES, _kernel, _threads
 
 __all__ = ["actorder_minmax"]
 
@@ -56,12 +55,8 @@ def actorder_minmax(x: torch.Tensor, layout, out_for=None
         return None
     U, size = m.shape[0] * count, layout.size
     perm = layout._perm.to("cpu")  # (g_idx's device: a no-op where it is the CPU's)
-    out = None if out_for is None else out_for(U)
-    if out is None or not (_plain_f32(U, *out) and kernels.real(*out)):
-        out = kernels.buffer(U), kernels.buffer(U)
-    lo, hi = out
+    lo, hi = out = kernels.out_buffers(U, out_for)
     failed = lib.qs_actorder_minmax(m.data_ptr(), m.shape[0], n, m.stride(0), m.stride(1),
                                     perm.data_ptr(), size, lo.data_ptr(), hi.data_ptr(),
                                     _threads(U * size, U), KERNEL_DTYPES[x.dtype])
-    increment_version(out)  # written by the C, as in-place torch ops would
-    return None if failed else out
+    return kernels.wrote(out, failed)

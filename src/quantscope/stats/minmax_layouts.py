@@ -20,7 +20,6 @@ from ..layout import Tensor as TensorLayout
 from .minmax import (
     KERNEL_DTYPES,
     _kernel,
-    _plain_f32,
     _result_dtype,
     _threads,
     _use_kernel,
@@ -156,11 +155,8 @@ def _bands(x3: torch.Tensor, rows: int, across: bool = False, out_for=None):
     lead, R, C = x3.shape
     full, rest = divmod(R, rows)
     lib, shape = _kernel(), (lead, C, full) if across else (lead, full + (rest > 0), C)
-    out = out_for(math.prod(shape)) if out_for is not None and not rest else None
-    if out is not None and _plain_f32(math.prod(shape), *out) and kernels.real(*out):
-        lo, hi = (t.view(shape) for t in out)
-    else:
-        lo, hi = kernels.buffer(*shape), kernels.buffer(*shape)
+    lo, hi = (t.view(shape) for t in kernels.out_buffers(math.prod(shape),
+                                                         None if rest else out_for))
     if full:
         body = [t if across else t[:, :full] for t in (lo, hi)]  # (contiguous: one lead)
         _column_kernel(lib, x3[:, :full * rows].reshape(lead * full, rows, C), *body,
@@ -216,6 +212,9 @@ def _segment_minmax(x: torch.Tensor, layout, out_for=None
 #: order, the first of a -0.0 / +0.0 tie winning (longer rows: its vector lanes' order)
 SCALAR_TAIL = 32
 
+#: the longest block ``qs_padded_minmax`` takes (its buffer: csrc/unit_minmax.c's PIECE)
+PIECE = 2048
+
 
 def _padded_rows(m: torch.Tensor, size: int, out_for=None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -231,16 +230,12 @@ def _padded_rows(m: torch.Tensor, size: int, out_for=None
     than the kernel's buffer (2048)."""
     R, W = m.shape
     U = R * -(-W // size)
-    if R < 2 or W % size >= SCALAR_TAIL:
+    if R < 2 or W % size >= SCALAR_TAIL or size > PIECE:
         return None
-    out = None if out_for is None else out_for(U)
-    if out is None or not (_plain_f32(U, *out) and kernels.real(*out)):
-        out = kernels.buffer(U), kernels.buffer(U)
-    lo, hi = out
+    lo, hi = out = kernels.out_buffers(U, out_for)
     failed = _kernel().qs_padded_minmax(m.data_ptr(), R, W, size, lo.data_ptr(), hi.data_ptr(),
                                         _threads(U * size, U), KERNEL_DTYPES[m.dtype])
-    increment_version(out)  # written by the C, as in-place torch ops would
-    return None if failed else out
+    return kernels.wrote(out, failed)  # (-1, sizes it refuses: nothing written)
 
 
 def memory_order(x: torch.Tensor) -> list[int] | None:
