@@ -23,7 +23,8 @@ __all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
            "check_code_range", "check_float32_range",
            "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
            "check_per_unit", "check_range_args", "check_ranges", "check_real", "check_spec",
-           "dtensor_error", "env_flag", "is_amax", "is_dtensor", "is_finite", "outside_quantscope", "pattern_refusal",
+           "dtensor_error", "env_flag", "is_amax", "is_dtensor", "is_finite",
+           "outside_quantscope", "pattern_refusal",
            "regex_problem", "tensor_arg"]
 
 

@@ -8,9 +8,9 @@ or a :class:`CustomSync` such as a histogram that first agrees on a common grid)
 collectives:
 
 0. one tiny ``all_reduce`` checking that every rank syncs the same observers (class,
-   spec, bins, sync plan; a rank passing none takes part too) and that the local planning succeeded everywhere: an error on one
-   rank (a header it cannot encode, a histogram folding its last batches into its average)
-   raises on every rank, the same exception type and message;
+   spec, bins, sync plan; a rank passing none takes part too) and that the local planning succeeded
+   everywhere: an error on one rank (a header it cannot encode, a histogram folding its last batches
+   into its average) raises on every rank, the same exception type and message;
 1. one ``all_gather`` of a small fixed-length int64 header per rank (whether the
    observer saw data, whether it saw NaN / inf, the state shapes), so that a rank
    with no batches learns the shapes and fills its state with the identity of each

@@ -128,7 +128,8 @@ class IntFormat:
 
     @property
     def mbits(self) -> int:
-        """Fraction bits below the leading one at full scale (amax rounding in the MX 'even' mode)."""
+        """Fraction bits below the leading one at full scale (amax rounding in the MX 'even'
+        mode)."""
         return self.emax
 
     @property

@@ -251,7 +251,8 @@ class _Segments(Layout):
 
     def _geometry(self, shape):
         if len(shape) == 0:
-            raise ValueError(f"{self._name}: a 0-d tensor cannot be split into {self._name.lower()}s")
+            raise ValueError(f"{self._name}: a 0-d tensor cannot be split into "
+                             f"{self._name.lower()}s")
         a = _axis(self.axis, shape, self._name)
         n = shape[a]
         if not self._pad and n % self.size:
@@ -382,7 +383,8 @@ class Group(_Segments):
 
 @dataclass(frozen=True)
 class Block(_Segments):
-    """Blocks of ``size`` along ``axis`` for MX (32), NVFP4 (16) and BFP (8); the tail is zero-padded."""
+    """Blocks of ``size`` along ``axis`` for MX (32), NVFP4 (16) and BFP (8); the tail is
+    zero-padded."""
 
     size: int = 32
     axis: int = -1

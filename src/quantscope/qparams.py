@@ -20,7 +20,8 @@ returns the scale, zero point and (NVFP4) global scale of a :class:`QuantSpec`:
 Nothing here returns NaN or inf: an all-zero unit gets the smallest scale.
 
 The C kernels that search ranges carry one copy of the integer branch with fp32 scales
-(``quantscope/kernels/csrc/qs_qparams.h``); tests/kernels/test_native.py holds it bitwise to this one.
+(``quantscope/kernels/csrc/qs_qparams.h``); tests/kernels/test_native.py holds it bitwise to this
+one.
 
 Against the peers (tests/core/test_peers_core.py): compressed-tensors' ``calculate_qparams``
 gives bitwise the same scales and zero points (int, fp8, fp6, fp4, NVFP4, its MX = our
@@ -155,7 +156,8 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
                           global_amax) -> QParams | None:
     """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
     it does not apply (no kernel, other encodings or devices, a NaN / inf range: the torch
-    branch then raises or computes). Bitwise the torch branch (tests/kernels/test_block_qparams.py)."""
+    branch then raises or computes). Bitwise the torch branch
+    (tests/kernels/test_block_qparams.py)."""
     enc, fmt = spec.scale, spec.format
     if (not _block_kernel_applies(spec) or lo.device.type != "cpu" or lo.requires_grad
             or hi.requires_grad or not kernels.real(lo, hi)

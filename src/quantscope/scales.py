@@ -184,7 +184,8 @@ def encode_scale(scale: torch.Tensor, encoding: ScaleEncoding | str) -> torch.Te
         return torch.where(scale.isnan(), scale, _exp2(k.clamp_(-149, 127)))
     if kind == "fp8_e4m3":
         return FP8_E4M3.round(scale)
-    raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from e8m0_scale")
+    raise ValueError(f"scale: encode_scale does not take {kind!r}; E8M0 scales come from "
+                     f"e8m0_scale")
 
 
 def not_encoded(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:

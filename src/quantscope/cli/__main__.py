@@ -1,4 +1,5 @@
-"""``python -m quantscope.cli``: the command line, as ``quantscope`` and ``python -m quantscope``."""
+"""``python -m quantscope.cli``: the command line, as ``quantscope`` and
+``python -m quantscope``."""
 
 import sys
 

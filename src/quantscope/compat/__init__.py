@@ -56,7 +56,8 @@ def field(config, name: str, default=None):
 
 
 def enum_name(value) -> str | None:
-    """Lower-case name of an enum member or string (``QuantizationStrategy.GROUP`` -> ``"group"``)."""
+    """Lower-case name of an enum member or string (``QuantizationStrategy.GROUP`` ->
+    ``"group"``)."""
     if value is None:
         return None
     if isinstance(value, enum.Enum):

@@ -41,7 +41,8 @@ def scale_dtype(args) -> torch.dtype | None:
 
 def llmcompressor_spec(args, base_name: str = "weight", g_idx: torch.Tensor | None = None
                        ) -> QuantSpec:
-    """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one translation)."""
+    """The :class:`QuantSpec` of a ``QuantizationArgs`` (or dict) for ``base_name`` (the one
+    translation)."""
     return _translate(args, base_name, filled_g_idx(g_idx), scale_dtype(args))
 
 

@@ -54,11 +54,11 @@ shape and dtype; ``track_amax`` tracks it too), so ``compute_amax()``, a copy an
 it; it takes the floating-point tensors the native observer takes (integers:
 ``collect``), and NaN / inf there is recorded and refused by ``qparams()`` /
 ``compute_amax()`` (a ``ValueError``), as every observer's. As ModelOpt's calibrators (plain
-objects), they save and load no state: a ``TensorQuantizer`` built with one (its config takes a calibrator class) has
-ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole (``torch.save``), they
-load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are torch safe
-globals (these two only), and their pickles hold ModelOpt's arguments (the spec is rebuilt
-from them), no other quantscope class; but ``track_amax=True``'s per-batch numpy amaxes,
+objects), they save and load no state: a ``TensorQuantizer`` built with one (its config takes a
+calibrator class) has ModelOpt's state_dict keys, and loads ModelOpt's strictly. Saved whole
+(``torch.save``), they load with ``torch.load(weights_only=True)``, as ModelOpt's: both classes are
+torch safe globals (these two only), and their pickles hold ModelOpt's arguments (the spec is
+rebuilt from them), no other quantscope class; but ``track_amax=True``'s per-batch numpy amaxes,
 which ``weights_only`` refuses in ModelOpt's pickles too.
 
 Data that is all subnormal (a first grid whose float32 width ``max |x| / num_bins``

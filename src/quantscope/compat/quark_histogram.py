@@ -321,7 +321,7 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
 
 @register("quark:PerTensorMSEObserver")
 class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
-    """Quark's histogram-MSE observer: candidates ``(0, centre_i)`` for ``i >= start_bin`` (2045)."""
+    """Quark's histogram MSE: candidates ``(0, centre_i)`` for ``i >= start_bin`` (2045)."""
 
     def _search(self, counts, edges):
         return self.get_min_max_by_mse(counts, edges)

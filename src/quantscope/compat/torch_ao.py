@@ -371,9 +371,9 @@ class HistogramObserver(TorchAOObserver, _ao.HistogramObserver):
     (:func:`quantscope.estimators.l2.l2_range`). Histogram, ``min_val`` / ``max_val``, scale
     and zero point equal torch.ao's bitwise (float32 batches on CPU take the C path; other
     devices torch.ao's own sequence of tensor ops, its ``histc`` on CUDA torch's of float32
-    copies of ``2 ** 24`` values at a time: ``quantscope::ao_histc``). After ``.double()``, ``.half()``
-    or ``.bfloat16()`` torch.ao searches in the state's dtype (its thresholds, densities and
-    ``new_min`` / ``new_max``) and re-bins a widened range in it (as here); there the search
+    copies of ``2 ** 24`` values at a time: ``quantscope::ao_histc``). After ``.double()``,
+    ``.half()`` or ``.bfloat16()`` torch.ao searches in the state's dtype (its thresholds, densities
+    and ``new_min`` / ``new_max``) and re-bins a widened range in it (as here); there the search
     is torch.ao's own code, so those equal too, at torch.ao's speed.
 
     One deliberate difference: a bfloat16 or float16 batch is binned as its float32 values,

@@ -177,7 +177,8 @@ def _table(seed: int, rows: int, cols: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m quantscope.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m quantscope.demo",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--formats", action="store_true",
                    help="print the synthetic format table (the only part for now)")
     p.add_argument("--seed", type=int, default=0)

@@ -437,8 +437,8 @@ def range_error(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: Q
 
 def dense_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
                  spec: QuantSpec, *, candidates: int = 1000, expand: float = 1.0,
-                 min_factor: float = 0.0, norm: float = 2.0, global_amax: torch.Tensor | None = None,
-                 chunk_elems: int | None = None) -> SearchResult:
+                 min_factor: float = 0.0, norm: float = 2.0, chunk_elems: int | None = None,
+                 global_amax: torch.Tensor | None = None) -> SearchResult:
     """The optimality reference: ``candidates`` factors evenly from ``expand`` down to
     ``min_factor`` (``expand * (1 - i / candidates)`` by default), no early stop.
 
@@ -469,8 +469,8 @@ def linear_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor
     stride = check_int("linear_search", "stride", stride, 1, 94)  # not a bool
     units, lo, hi = _check(units, lo, hi, spec, norm)
     amax = amax_of_range(lo, hi).clamp(min=0)
-    return mse_search(units, -amax, amax, spec, factors=[1 - 0.01 * i for i in range(0, 95, stride)],
-                      norm=norm, patience=None, tie="last", global_grid=1,
+    return mse_search(units, -amax, amax, spec, norm=norm, patience=None, tie="last",
+                      factors=[1 - 0.01 * i for i in range(0, 95, stride)], global_grid=1,
                       chunk_elems=chunk_elems, float32_squares=float32_squares)
 
 

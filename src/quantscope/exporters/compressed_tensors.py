@@ -13,12 +13,13 @@ template (``EXPORT_EXTRAS``, nothing else) are copied beside them. All of it hap
 copy of the model inside :func:`~quantscope.exporters.atomic.atomic_dir`: the caller's model is
 untouched and a failure leaves nothing behind.
 
-Conventions (the same numbers on both sides, checked in tests/export/test_export_compressed_tensors.py):
-an int or fp8 scale is the scale that multiplies a code; NVFP4's ``weight_scale`` is the e4m3
-block scale and ``weight_global_scale`` the fp32 global scale ``448 * 6 / amax``, the scale
-that runs being ``block / global`` (quantscope's :class:`~quantscope.qparams.QParams`
-``scale`` / ``global_scale``); ``input_global_scale`` is that global scale of the calibrated
-activation amax; MX scales are powers of two, stored as E8M0 exponents.
+Conventions (the same numbers on both sides, checked in
+tests/export/test_export_compressed_tensors.py): an int or fp8 scale is the scale that multiplies a
+code; NVFP4's ``weight_scale`` is the e4m3 block scale and ``weight_global_scale`` the fp32 global
+scale ``448 * 6 / amax``, the scale that runs being ``block / global`` (quantscope's
+:class:`~quantscope.qparams.QParams` ``scale`` / ``global_scale``); ``input_global_scale`` is that
+global scale of the calibrated activation amax; MX scales are powers of two, stored as E8M0
+exponents.
 """
 
 from __future__ import annotations

@@ -441,9 +441,9 @@ def _check_ort_runs(layer, roles) -> None:
 
 def session_options(threads: int | None = None, optimized_model_path: str | None = None):
     """``onnxruntime.SessionOptions`` for an exported model: all graph optimizations
-    (the integer kernels come from them), :data:`FLOAT_MATMULNBITS`, :data:`PRECISE_U8U8` on x86 CPUs without VNNI
-    (:func:`int8_dot_product`), ``threads`` intra-op threads if given, and the optimized
-    graph saved to ``optimized_model_path`` if given. Pass :data:`DISABLED_OPTIMIZERS` as
+    (the integer kernels come from them), :data:`FLOAT_MATMULNBITS`, :data:`PRECISE_U8U8` on x86
+    CPUs without VNNI (:func:`int8_dot_product`), ``threads`` intra-op threads if given, and the
+    optimized graph saved to ``optimized_model_path`` if given. Pass :data:`DISABLED_OPTIMIZERS` as
     ``disabled_optimizers`` too (:func:`session` does)."""
     ort = _onnx("onnxruntime")
     so = ort.SessionOptions()

@@ -160,7 +160,8 @@ class QuantscopeObserver(Observer):
         return self
 
     def update_statistics_from_observed(self, observed: torch.Tensor) -> None:
-        """Feed ``(observations, *qparam_shape, elements)`` to quantscope as ``[units, elements]``."""
+        """Feed ``(observations, *qparam_shape, elements)`` to quantscope as
+        ``[units, elements]``."""
         shape = tuple(observed.shape[1:-1])
         units = observed.movedim(0, -2).reshape(math.prod(shape), -1)
         if self.quantscope.seen_non_finite.device != units.device:

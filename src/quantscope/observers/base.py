@@ -420,7 +420,8 @@ class Observer(nn.Module):
         return ()
 
     def _setting_buffers(self) -> tuple[str, ...]:
-        """Buffers holding a constructor setting, not state: kept by :meth:`reset`, sized on load."""
+        """Buffers holding a constructor setting, not state: kept by :meth:`reset`, sized on
+        load."""
         return ()
 
     def _store(self, names, values) -> None:

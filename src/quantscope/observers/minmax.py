@@ -102,7 +102,8 @@ class MinMaxStateObserver(Observer):
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_step(self, x, MinMaxStateObserver):  # the common CPU call: one C pass, its decisions cached
+        # the common CPU call: one C pass, its decisions cached
+        if cpu_step(self, x, MinMaxStateObserver):
             return x
         units = self._one_op_units(x)
         if units is None:

@@ -198,7 +198,8 @@ class MovingAverageMSEObserver(MemorylessMSEObserver):
 class NVFP4ExpandedMSEObserver(MemorylessMSEObserver):
     """llm-compressor's NVFP4 preset: search from 1.8x the range down to 0.8x (111 candidates)."""
 
-    defaults: ClassVar[dict] = {"maxshrink": 1 - 0.8 / 1.8, "grid": 200, "patience": 1000, "expand": 1.8}
+    defaults: ClassVar[dict] = {"maxshrink": 1 - 0.8 / 1.8, "grid": 200, "patience": 1000,
+                                "expand": 1.8}
 
 
 @register("linear_mse", "horizon_mse")
@@ -228,7 +229,8 @@ class LinearMSEObserver(MovingAverageMSEObserver):
                              float32_squares=self.float32_squares)
 
     def extra_repr(self):
-        return f"spec={self.spec}, stride={self.stride}, averaging_constant={self.averaging_constant}"
+        return (f"spec={self.spec}, stride={self.stride}, "
+                f"averaging_constant={self.averaging_constant}")
 
 
 @register("pow2_mse")

@@ -67,16 +67,16 @@ def partial(state_dict, prefix, sized, who: str) -> str | None:
     then fails in torch, naming neither itself nor the buffer); None for a whole state."""
     lost = [prefix + n for n in sized if prefix + n not in state_dict]
     if lost and saved_shape(state_dict, prefix) is not None:
-        return f"{at(who, prefix)}: a partial state: it observed data but lacks {', '.join(lost)}; " \
-               f"load a whole state_dict"
+        return (f"{at(who, prefix)}: a partial state: it observed data but lacks "
+                f"{', '.join(lost)}; load a whole state_dict")
     return None
 
 
 def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=()) -> None:
     """``ValueError`` naming ``who`` unless each saved ``sized`` buffer fits ``layout`` for the
     saved shape: one entry per unit along its first dimension (a histogram's counts are units
-    x bins), one for those of ``one_value`` (NVFP4's global amax), or none (else ``qparams()`` fails later with a
-    bare reshape, or reads another unit's entry without a word)."""
+    x bins), one for those of ``one_value`` (NVFP4's global amax), or none (else ``qparams()`` fails
+    later with a bare reshape, or reads another unit's entry without a word)."""
     who, shape = at(who, prefix), saved_shape(state_dict, prefix)
     if shape is None:
         return

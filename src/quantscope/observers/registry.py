@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["OBSERVER_MODULES", "get_observer", "list_observers", "observer_class", "register", "register_module"]
+__all__ = ["OBSERVER_MODULES", "get_observer", "list_observers", "observer_class", "register",
+           "register_module"]
 
 _REGISTRY: dict[str, type] = {}  # lower-case name -> class
 _DISPLAY: dict[str, str] = {}  # lower-case name -> the name as registered

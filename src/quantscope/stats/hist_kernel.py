@@ -175,6 +175,7 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
     lo, hi = kernels.buffer(1), kernels.buffer(1)
     miss = lib.qs_hist_fused(units.data_ptr(), units.shape[1], B, int(absolute),
                              *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
-                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), kernels.threads(threads))
+                             lo.data_ptr(), hi.data_ptr(), ends.data_ptr(),
+                             kernels.threads(threads))
     increment_version(ends)  # (may be the caller's: written by the C)
     return None if miss else (new, lo, hi)

@@ -5,8 +5,8 @@ place, as ``torch.library`` custom ops, beside the ops of :mod:`quantscope.kerne
 It lives here, not in ``kernels.ops``, because its CPU implementation is this package's
 ``histogram.bin_values`` (the C kernel, else the torch reference), which the kernels layer
 may not import; ``histogram.add_values`` calls it off the CPU (``torch.ops``: importing
-this package registers it). CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`), the torch
-path where triton is not installed or the bins exceed its limit.
+this package registers it). CUDA: the Triton kernel (:mod:`quantscope.kernels.triton.histogram`),
+the torch path where triton is not installed or the bins exceed its limit.
 
 ``hist_regrid_(counts, exp, first, lo, hi, batch_lo, batch_hi, absolute)``: the state
 (``counts [U, B]`` int64, ``exp``, ``first`` int64 ``[U]``, ``lo``, ``hi`` float32 ``[U]``)

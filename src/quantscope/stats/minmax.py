@@ -34,7 +34,8 @@ from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
            "holds_non_finite", "kernel_pass", "minmax_observe", "minmax_update",
-           "op_unit_count", "op_units", "ordered", "record_ends", "record_non_finite", "torch_unit_minmax", "unit_minmax", "zero_non_finite"]
+           "op_unit_count", "op_units", "ordered", "record_ends", "record_non_finite",
+           "torch_unit_minmax", "unit_minmax", "zero_non_finite"]
 
 #: below this many elements torch's per-row reduction is as fast as a kernel call
 KERNEL_MIN_NUMEL = 1 << 16
@@ -95,8 +96,9 @@ def _kernel_reads(units: torch.Tensor, step: bool) -> bool:
     an observer's ``step`` (ends or a state update wanted: the kernel's one pass stands for
     a dozen small torch ops, whose dispatch outweighs the data). One large float32 unit
     too: its one pass takes 0.6x ``torch.aminmax``'s time on one thread (64K elements, ctypes
-    call included, measured on an EPYC), and splits the unit's elements over its threads from ``2 * THREAD_MIN_NUMEL``;
-    between, where the kernel's one thread meets torch's pool of several, torch."""
+    call included, measured on an EPYC), and splits the unit's elements over its threads from
+    ``2 * THREAD_MIN_NUMEL``; between, where the kernel's one thread meets torch's pool of
+    several, torch."""
     if not (units.is_cpu and units.dtype in KERNEL_DTYPES and units.is_contiguous()
             and not units.requires_grad):
         return False

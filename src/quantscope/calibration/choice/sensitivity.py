@@ -278,11 +278,12 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     of more than 2 dims). Weights are kept, and so is a KV cache's key / value (a runtime
     quantizes the pair or none; a ranking's key / value rows are passed over). A fused
     group's shared input (q / k / v, gate / up: one input of the runtime's fused layer)
-    counts once and falls back whole: a fused layer runs one scheme (``info["keep_float"]["tensors"]`` lists every member); so do
-    the gate / up (w13) inputs, and the down (w2) inputs, of all experts of one MoE module.
-    Their report rows and histograms go (the report lists them apart); the rest, smoothing
-    included, is the calibration's. On a calibration with a fallback already, this one adds
-    to it, in the same ``mode`` (``info["keep_float"]`` then counts and lists both)."""
+    counts once and falls back whole: a fused layer runs one scheme
+    (``info["keep_float"]["tensors"]`` lists every member); so do the gate / up (w13) inputs, and
+    the down (w2) inputs, of all experts of one MoE module. Their report rows and histograms go (the
+    report lists them apart); the rest, smoothing included, is the calibration's. On a calibration
+    with a fallback already, this one adds to it, in the same ``mode`` (``info["keep_float"]`` then
+    counts and lists both)."""
     for arg, value, kind in (("calibration", calibration, Calibration),
                              ("sens", sens, Sensitivity)):  # not an AttributeError inside
         if not isinstance(value, kind):

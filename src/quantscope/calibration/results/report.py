@@ -298,8 +298,8 @@ class Report:
                  ", ".join(f"{k} {v}" for k, v in sorted(s["observers"].items()))]
                 for role, s in self.summary.items()]
 
-    SUMMARY_HEADERS: ClassVar[list[str]] = ["role", "layers", "mean SQNR dB", "min SQNR dB", "worst layer",
-                       "clipped %", "observers"]
+    SUMMARY_HEADERS: ClassVar[list[str]] = ["role", "layers", "mean SQNR dB", "min SQNR dB",
+                                            "worst layer", "clipped %", "observers"]
 
     def to_markdown(self, path=None) -> str:
         """Notes, metrics, summary, layers and the extra tables (fusion groups, KV cache,
