@@ -236,12 +236,12 @@ def _winners(b, tie, stop):
 
 
 def search(units, lo, hi, spec, f_lo, f_hi, *, norm, patience, per_unit, tie, exact,
-           incumbent, global_amax, chunk_elems, chunk_candidates, early_stop, extend=(),
-           float32_squares=True):
+           incumbent, global_amax, chunk_elems, chunk_candidates, early_stop, extend=(), **_):
     """:func:`mse_tiles.search` for the compat search (``exact``, global patience, no
     incumbent), priced by the kernel; the torch path itself where a kernel error is not
     finite. Returns ``(lo, hi, error, index)``; ``error`` a callable (lazy). Its terms are
-    torch's float32 ``|d| ** norm`` whatever ``float32_squares`` says (``exact``)."""
+    torch's float32 ``|d| ** norm`` (``exact``): the other engines' ``float32_squares`` is
+    no option here (``**_``)."""
     assert exact and incumbent is None and not per_unit and not extend and global_amax is None
     total, factors = len(f_lo), (f_lo, f_hi)
     f_lo = torch.tensor(f_lo, dtype=torch.float32)
