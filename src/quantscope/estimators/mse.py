@@ -494,7 +494,7 @@ def pow2_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor |
     res = mse_search(units, lo, hi, spec,
                      factors=[math.ldexp(1.0, -k) for k in range(-span, span + 1)], norm=norm,
                      patience=None, global_grid=1, chunk_elems=chunk_elems, incumbent=False)
-    unpriced = ~(res.error < torch.finfo(torch.float32).max)  # the initial best stood
+    unpriced = res.index < 0  # the initial best stood (a float32 error can round up to it)
     return SearchResult(torch.where(unpriced, lo, res.lo), torch.where(unpriced, hi, res.hi),
                         res.error, res.global_amax,
                         torch.where(unpriced, span, res.index))
