@@ -176,18 +176,35 @@ def _scratch(folder: Path) -> tempfile.TemporaryDirectory:
                           "set QUANTSCOPE_CACHE to a writable folder") from e
 
 
+#: a quoted include of a ``.c`` file, ``#  include "x.c"`` and indented ones too
+_INCLUDED_SOURCE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+\.c)"', re.MULTILINE)
+
+
 def _texts(source: Path, include: Path) -> list[bytes]:
     """What the build reads: ``source``, every header of ``include`` and the sources it
-    includes from there by name (tests build a kernel's own ``.c`` under other flags: a key
-    without it served the library built from the old text)."""
+    includes by name, theirs too (tests build a kernel's own ``.c`` under other flags: a key
+    without it served the library built from the old text). An include in a comment or an
+    ``#if 0`` counts too: a key that changes more often than needed costs one build."""
     text = source.read_bytes()
-    named = sorted(set(re.findall(rb'#include "([^"/]+\.c)"', text)))
-    # where the compiler looks for a quoted name: beside the source first, then -I (a name
-    # found in neither: the compiler says so)
-    found = [next((p for p in (source.parent / n, include / n) if p.is_file()), None)
-             for n in map(bytes.decode, named)]
     return ([text] + [h.read_bytes() for h in sorted(include.glob("*.h"))]
-            + [p.read_bytes() for p in found if p is not None])
+            + _included(source, text, include, {source.resolve()}))
+
+
+def _included(path: Path, text: bytes, include: Path, seen: set) -> list[bytes]:
+    """The texts of the ``.c`` files ``text`` (of ``path``) includes, each followed by those
+    it includes; each file once (``seen``)."""
+    out = []
+    for name in sorted(set(_INCLUDED_SOURCE.findall(text))):
+        # where the compiler looks for a quoted name: beside the including file first, then
+        # -I (a name found in neither: the compiler says so)
+        found = next((p for p in (path.parent / name.decode(), include / name.decode())
+                      if p.is_file()), None)
+        if found is None or found.resolve() in seen:
+            continue
+        seen.add(found.resolve())
+        inner = found.read_bytes()
+        out += [inner, *_included(found, inner, include, seen)]
+    return out
 
 
 def build(name: str, source: Path, cc: list[str], include: Path) -> Path:
