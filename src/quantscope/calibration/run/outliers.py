@@ -5,11 +5,12 @@ would leave SmoothQuant no range to measure and the fallback nothing to rank.
 
 Across ranks (``Runtime(distributed=True)``) the ranks may pass their own batches, so each
 holds another first batch, or none. Both steps then read one batch: the first of the lowest
-rank that holds one (holding a value, where any rank's does), on that rank. SmoothQuant's ranges are measured there (the other ranks
-add the reduction's identities) and the fallback's ranking is made there, then shared: every
-rank smooths and keeps in float what one process given that batch first does. Each on its
-own first batch, the ranks would keep different tensors in float (the writing rank's
-calibration not the others') and smooth on the union of their first batches.
+rank that holds one (holding a value, where any rank's does), on that rank. SmoothQuant's
+ranges are measured there (the other ranks add the reduction's identities) and the
+fallback's ranking is made there, then shared: every rank smooths and keeps in float what
+one process given that batch first does. Each on its own first batch, the ranks would keep
+different tensors in float (the writing rank's calibration not the others') and smooth on
+the union of their first batches.
 """
 
 from __future__ import annotations
