@@ -90,7 +90,9 @@ def _device_contexts_keep_torch_factories():
     ``from_pretrained`` hold uninitialised rotary tables, two files later). Named here, at
     the test that did it."""
     yield
-    factories = torch.utils._device._device_constructors()
+    from torch.utils import _device
+
+    factories = _device._device_constructors()
     assert torch.tensor in factories and torch.empty in factories, (
         "this test left a patched torch factory in torch.utils._device's cache: patch it "
         "after a `with torch.device(...)` has run (tests/calibrate/test_device_pass.py)")

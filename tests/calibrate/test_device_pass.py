@@ -52,7 +52,9 @@ def test_the_observation_pass_reads_nothing_back(scheme, observer, monkeypatch, 
     # (torch.utils._device), and a cached wrapper would leave the real torch.tensor out of
     # every later `with torch.device(...)` in the process (transformers' meta init of the
     # rotary tables then ran on the CPU: from_pretrained gave uninitialised inv_freq)
-    torch.utils._device._device_constructors()
+    from torch.utils import _device
+
+    _device._device_constructors()
     monkeypatch.setattr(torch, "tensor", tensor)
     batches = [torch.empty(shape, device="meta") for shape in ((4, 128), (3, 128), (2, 5, 128))]
     with pytest.raises(_PassEnded), uploads:
