@@ -6,6 +6,8 @@ came only after the (slow) trace. Each call now writes its own codes, the size a
 are refused up front (the size again, exactly, before serializing), and an outside read is
 refused naming the layer."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -116,28 +118,38 @@ def no_trace(monkeypatch):
 
 def test_a_model_over_the_protobuf_limit_is_refused_before_the_trace(tmp_path, monkeypatch,
                                                                      no_trace):
+    """With external_data=False (s49: the default writes external data instead)."""
     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 8)).eval()
     x = torch.randint(0, 1000, (2, 5))
     calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
     # 1000 x 64 float32 embedding + 64 x 8 int8 codes + 8 float32 biases
     monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 256_000, raising=False)
     with pytest.raises(ValueError, match=r"take 256544 bytes \(0\.00 GiB, estimated") as e:
-        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
-    assert "protobuf's 2 GiB limit" in str(e.value) and "external data" in str(e.value)
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x,
+               external_data=False)
+    assert "protobuf's 2 GiB limit" in str(e.value) and "external_data=False" in str(e.value)
     assert not (tmp_path / "m.onnx").exists()
 
 
 def test_the_graphs_own_size_is_checked_before_it_is_serialized(tmp_path, monkeypatch):
     """A weight-only Linear called four times holds its codes four times: over a limit its
-    parameters alone are under."""
+    parameters alone are under. Refused with external_data=False; by default (s49) written
+    with external data, as the graph's size, not the estimate, decides."""
     torch.manual_seed(0)
     model, x = _Calls(4).eval(), torch.randn(2, 4, 64)
     calib = calibrate(model, [x], _recipe(QuantSpec("int8", Channel(0))), progress=False)
     # parameters: 4096 codes + 256 bias bytes; the graph: 4 x 4096 codes
     monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 8000, raising=False)
     with pytest.raises(ValueError, match=r"GiB, in the graph\), over protobuf's 2 GiB limit"):
-        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+        export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x,
+               external_data=False)
     assert not (tmp_path / "m.onnx").exists()
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
+    assert len(os.listdir(tmp_path)) == 2  # the model and its data file
+    sess = qonnx.session(path, threads=1)
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    ref = _ref(model, calib, x)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 class _Sum(nn.Module):  # a read torch.onnx folds into a float constant

@@ -38,8 +38,12 @@ per-token or per-channel activations, clipped activation ranges (``quant_min`` /
 ``quant_max`` narrower than the storage type: ``QuantizeLinear`` saturates to the type),
 output and KV-cache roles, 3-D MoE experts, a module without a 2-D weight (a block), 8-bit
 per-group weights beside an 8-bit static input (ORT has no kernel for the pair it fuses them
-into), a weight the forward also reads outside its Linear (after the trace), and a model over
-protobuf's 2 GiB (:data:`PROTOBUF_LIMIT`: no external data is written).
+into), and a weight the forward also reads outside its Linear (after the trace).
+
+A graph whose tensors exceed protobuf's 2 GiB (:data:`PROTOBUF_LIMIT`: a 1B Llama in fp32)
+is written with its tensors in a data file beside the model, ``<name>.<digest>.data``
+(``external_data``; :mod:`.onnx_external` says how the pair is written and replaced, and
+what :func:`session` checks before it reads one).
 """
 
 from __future__ import annotations
@@ -55,10 +59,11 @@ from ..calibration.structure.conv1d import is_conv1d
 from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
-from .atomic import atomic_file, check_writable_target
+from .atomic import check_writable_target
+from .onnx_external import read_graph, session_entries, write_model
 from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
-from .onnx_tensors import check_float32_quantize, float32_graph, float32_model, unshared_codes
+from .onnx_tensors import float32_graph, float32_model, unshared_codes
 from .onnx_trace import NoCache, exporter_errors, optimize, warn_specialized
 from .registry import register
 
@@ -92,7 +97,8 @@ FLOAT_MATMULNBITS = ("session.qdq_matmulnbits_accuracy_level", "1")
 
 #: the most bytes one protobuf message holds (2 GiB): onnx.checker, shape inference and
 #: ``onnx.save`` serialize the whole model, and fail past it ("Failed to serialize proto").
-#: The export writes no external data, so a larger model is refused (:func:`_check_size`).
+#: A graph whose tensors take more is written with external data (``external_data=None``),
+#: or refused with ``external_data=False`` (:func:`_check_size`).
 PROTOBUF_LIMIT = 2 ** 31 - 1
 
 #: the ops ORT runs a quantized MatMul as
@@ -141,13 +147,15 @@ def _export_float(model, example_inputs, opset: int, states=None):
     return program.model_proto
 
 
-def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, options,
-                **_) -> None:
+def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, external_data,
+                options, **_) -> None:
     """The arguments' checks that need neither the disk nor a collective (every rank), all
     before the (slow) export."""
     if options:
         raise ValueError(f"onnx export: unknown options {sorted(options)}")
-    for name, flag in (("overwrite", overwrite), ("uint8", uint8)):  # bool("no") is True
+    for name, flag in (("overwrite", overwrite), ("uint8", uint8),  # bool("no") is True
+                       *((("external_data", external_data),) if external_data is not None
+                         else ())):
         check_bool("onnx export", name, flag)
     if example_inputs is None:
         raise ValueError("onnx export: example_inputs is required (what the model is called "
@@ -162,7 +170,8 @@ def _check_call(calibration, model, example_inputs, opset, overwrite, uint8, opt
     states = calibration.states
     check_placement(model, "onnx export")
     check_exportable(states, model)
-    _check_size(_estimated_bytes(model, states), "estimated from its parameters and buffers")
+    if external_data is False:
+        _check_size(_estimated_bytes(model, states), "estimated from its parameters and buffers")
 
 
 def _native_opset() -> int:
@@ -188,19 +197,20 @@ def _estimated_bytes(model, states) -> int:
 
 
 def _check_size(nbytes: int, how: str) -> None:
-    """Refuse a graph over :data:`PROTOBUF_LIMIT` before onnx fails to serialize it."""
+    """Refuse (``external_data=False``) a graph over :data:`PROTOBUF_LIMIT` before onnx
+    fails to serialize it."""
     if nbytes > PROTOBUF_LIMIT:
         raise ValueError(f"onnx export: the model's tensors take {nbytes} bytes "
                          f"({nbytes / 2 ** 30:.2f} GiB, {how}), over protobuf's 2 GiB limit "
-                         f"on an ONNX file (PROTOBUF_LIMIT = {PROTOBUF_LIMIT} bytes); this "
-                         f"exporter writes no external data: export a smaller model (or the "
-                         f"float model with torch.onnx and quantize it with onnxruntime's "
-                         f"tools)")
+                         f"on one ONNX file (PROTOBUF_LIMIT = {PROTOBUF_LIMIT} bytes), and "
+                         f"external_data=False: leave external_data None (the default) or "
+                         f"True to write the tensors in a data file beside the model")
 
 
 @register("onnx", check=_check_call)
 def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 21,
-                overwrite: bool = False, uint8: bool = False, **options):
+                overwrite: bool = False, uint8: bool = False,
+                external_data: bool | None = None, **options):
     """Write ``model`` with ``calibration``'s qparams as an ONNX QDQ graph at ``path``.
 
     ``example_inputs``: what ``model`` is called with (a tensor, a tuple, or a dict of
@@ -210,7 +220,12 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     ``uint8``: store int8 codes as uint8 with the zero point moved by 128 (the same values):
     exact in any ORT session on any x86 CPU, but never ORT's fast VNNI kernel (see
     :func:`.onnx_graph.unsigned`); the default int8 storage is exact in :func:`session`
-    (:data:`PRECISE_U8U8` where the CPU lacks VNNI) and fast on VNNI CPUs. Returns the path.
+    (:data:`PRECISE_U8U8` where the CPU lacks VNNI) and fast on VNNI CPUs.
+    ``external_data``: the tensors (initializers of 1 KiB or more) in a data file beside the
+    model, ``<file name>.<16 hex digits of its SHA-256>.data`` (:mod:`.onnx_external`): None
+    (default) where the graph's tensors exceed :data:`PROTOBUF_LIMIT`, else one file as
+    ``onnx.save`` writes it; True always; False never (a larger graph is refused). With
+    ``overwrite`` the data file of the export replaced is deleted. Returns the path.
     Run it with :func:`session` (ONNX Runtime with the options that keep its results equal
     to quantscope's fake-quant).
     """
@@ -224,14 +239,14 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
         float32_graph(proto.graph)
     insert_qdq(onnx, proto.graph, model, states, uint8, opset)
-    _check_size(sum(t.ByteSize() for t in (*proto.graph.initializer, *proto.graph.node)),
-                "in the graph")  # the whole proto's ByteSize() fails past the limit
+    # the whole proto's ByteSize() fails past the limit
+    nbytes = sum(t.ByteSize() for t in (*proto.graph.initializer, *proto.graph.node))
+    external = nbytes > PROTOBUF_LIMIT if external_data is None else external_data
+    if not external:
+        _check_size(nbytes, "in the graph")
     mark = proto.metadata_props.add()  # what lets overwrite=True replace this file later
     mark.key, mark.value = "quantscope", "onnx export"
-    onnx.checker.check_model(proto)
-    check_float32_quantize(proto)  # what the checker passes and ORT refuses (issue 37)
-    with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
-        onnx.save(proto, tmp)
+    write_model(onnx, proto, path, external=external, overwrite=overwrite, inputs=inputs)
     return path
 
 
@@ -383,18 +398,23 @@ def int8_dot_product(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def session(path, threads: int | None = None, optimized_model_path: str | None = None):
     """An ``onnxruntime.InferenceSession`` on the CPU whose results equal quantscope's
-    fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off)."""
+    fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off). A model with external
+    data is read only from files inside its folder (:func:`.onnx_external.read_graph`); its
+    optimized model, if saved, keeps its tensors in ``<optimized_model_path>.data``."""
     ort = _onnx("onnxruntime")
-    model = str(path) if int8_dot_product() else unshared_codes(path)
-    return ort.InferenceSession(model, session_options(threads, optimized_model_path),
-                                providers=["CPUExecutionProvider"],
+    graph, folder = read_graph(path)  # each external tensor's location checked first
+    model = str(path) if int8_dot_product() else unshared_codes(path, graph)
+    options = session_options(threads, optimized_model_path)
+    session_entries(options, folder, model, optimized_model_path)
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"],
                                 disabled_optimizers=list(DISABLED_OPTIMIZERS))
 
 
 def integer_kernel_counts(optimized_model_path) -> dict[str, int]:
     """Op counts of an optimized graph: every op that multiplies matrices, each integer
     kernel (:data:`INTEGER_KERNELS`) and each float one left (``MatMul``, ``Gemm``,
-    ``FusedMatMul``, ``FusedGemm``, ...), so that no float fallback goes uncounted."""
+    ``FusedMatMul``, ``FusedGemm``, ...), so that no float fallback goes uncounted. The
+    graph alone is read: no external data file is opened."""
     onnx = _onnx()
     proto = onnx.load(str(optimized_model_path), load_external_data=False)
     counts: dict[str, int] = {}

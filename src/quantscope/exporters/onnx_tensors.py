@@ -124,18 +124,22 @@ def check_float32_quantize(proto) -> None:
                 f"(x.to(layer.weight.dtype))")
 
 
-def unshared_codes(path):
+def unshared_codes(path, proto=None):
     """What ONNX Runtime loads from ``path`` under :data:`.onnx.PRECISE_U8U8`: the path, or,
     where several ``DequantizeLinear`` nodes read one int8 initializer (a Linear called more
     than once: each call's DQ reads the codes the first wrote), the model's bytes with a
     copy of those codes and their zero point per further node. ORT 1.32's s8 -> u8 weight
     conversion, which that option turns on, adds a uint8 copy per node under one name and
     refuses the second ("Attempt to replace the existing tensor"); the file keeps one copy
-    of each weight."""
+    of each weight. ``proto``: the model at ``path`` read without its external data (read
+    so here otherwise, and changed): a copy of external codes names the same bytes of the
+    data file, and the session finds that file through
+    :func:`.onnx_external.session_entries`."""
     import onnx
     from onnx import TensorProto
 
-    proto = onnx.load(str(path))
+    if proto is None:
+        proto = onnx.load(str(path), load_external_data=False)
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     taken = set(inits) | {o for n in graph.node for o in n.output}

@@ -1,0 +1,311 @@
+"""ONNX external data: the tensors of an export over protobuf's 2 GiB in a data file beside
+the model (the ONNX spec's external data, as ``onnx.save_model(save_as_external_data=True)``
+and torch.onnx write it), and the check every quantscope reader of an ONNX file makes of
+where a model says its tensors lie.
+
+Writing (:func:`write_model`). Every initializer of :data:`SIZE_THRESHOLD` bytes or more goes
+to one data file, in graph order (those of 1 MiB or more at offsets aligned to
+:data:`ALIGNMENT`, onnx_ir's rule, so ONNX Runtime can map them), each tensor's ``raw_data``
+dropped from the proto as it is written (the proto shrinks as the file grows: no third copy
+of the weights). The file is named after its content, ``<model name>.<16 hex digits of its
+SHA-256>.data`` (a ``location`` relative to the model's folder, no path), because a model must
+never point at a data file other than the one written with it: the data file is written
+under a temporary name, renamed to its own name without replacing anything (``renameat2``'s
+``RENAME_NOREPLACE``; else under the parent's lock), then the model is swapped in atomically
+(:func:`~.atomic.atomic_file`). A crash before the swap leaves the previous model and its
+data as they were (and at most an unreferenced new data file); after it, the new pair. A
+file already at the data file's name is reused where its bytes are the same (an identical
+re-export), and otherwise refused, ``overwrite`` or not: quantscope never replaces a data
+file. Once the new model is in place, the data file of the export it replaced (one named
+``<model name>.<16 hex digits>.data`` in its folder, a plain file) is deleted.
+
+Reading (:func:`read_graph`): the model's graph without its data, each external tensor's
+``location`` checked before anything reads it: a relative path inside the model's folder
+(no absolute path, drive, ``..``), not a symbolic link, nor under one leading out of the
+folder, a regular file (not a FIFO or a device), ``offset + length`` within it. onnx
+(>= 1.16) and ONNX Runtime (1.32) refuse most of this themselves; quantscope does not rely on
+their versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ntpath
+import os
+import re
+import stat
+import tempfile
+
+from .atomic import _name_max, _public_modes, _temp_prefix, atomic_file, written_by_quantscope
+from .atomic_swap import _RENAME_NOREPLACE, _parent_lock, _renameat2
+from .onnx_tensors import check_float32_quantize
+
+__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "read_graph", "session_entries", "write_model"]
+
+#: the smallest initializer (bytes) written to the data file; smaller ones (scales, zero
+#: points, biases of small layers) stay in the model, as onnx's ``size_threshold`` default
+SIZE_THRESHOLD = 1024
+#: the offset alignment of tensors of :data:`_ALIGN_FROM` bytes or more (Windows' allocation
+#: granularity, a multiple of every page size; onnx_ir's default)
+ALIGNMENT = 65536
+_ALIGN_FROM = 1 << 20
+_DIGITS = 16  # hex digits of the data's SHA-256 in its file name
+_CHUNK = 1 << 24
+
+
+def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -> None:
+    """Write ``proto`` at ``path`` (through :func:`~.atomic.atomic_file`): one file, as
+    ``onnx.save`` writes it (checked before anything is written), or with ``external`` its
+    tensors in a data file (module doc; checked on the written files, before the swap); the
+    data file of the export replaced, if any, deleted after the swap."""
+    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+    if not external:
+        onnx.checker.check_model(proto)
+        check_float32_quantize(proto)  # what the checker passes and ORT refuses (issue 37)
+    old = _old_data(target, onnx)
+    new = None
+    with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
+        if external:
+            new = _save_external(onnx, proto, tmp, target)
+        else:
+            onnx.save(proto, tmp)
+    if old is not None and os.path.basename(old) != new:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(old)
+
+
+def _save_external(onnx, proto, tmp: str, target: str) -> str:
+    """``proto`` at ``tmp`` with its tensors in a data file beside it (module doc); returns
+    the data file's name. On any failure nothing this wrote is left."""
+    folder, name = os.path.split(target)
+    size = len(os.fsencode(name)) + _DIGITS + 6  # ".<digits>.data"
+    if size > _name_max(folder):
+        raise ValueError(f"onnx export: {target!r}: its data file's name would be {size} bytes "
+                         f"long ({name}.<{_DIGITS} hex digits>.data); the file system takes "
+                         f"names of at most {_name_max(folder)} bytes: choose a shorter name")
+    fd, data_tmp = tempfile.mkstemp(prefix=_temp_prefix(target + ".data"), suffix=".tmp",
+                                    dir=folder)
+    created = None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            digest, written = _write_data(proto, f)
+        location = f"{name}.{digest[:_DIGITS]}.data"
+        for tensor, offset, length in written:
+            for key, value in (("location", location), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+        check_float32_quantize(proto)  # (on the graph alone: the data is on the disk)
+        _public_modes(data_tmp)
+        created = _place(data_tmp, os.path.join(folder, location), digest)
+        with open(tmp, "wb") as f:
+            f.write(proto.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        onnx.checker.check_model(tmp)  # on the path: the data file's place is checked too
+    except BaseException:
+        for left in (data_tmp, created):
+            if left is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(left)
+        raise
+    return location
+
+
+def _write_data(proto, f):
+    """Every initializer of :data:`SIZE_THRESHOLD` bytes or more written to ``f`` and made
+    external (its ``raw_data`` dropped; the ``external_data`` entries are the caller's, once
+    the file's name is known). Returns the SHA-256 hex digest of what was written and
+    ``(tensor, offset, length)`` per tensor."""
+    from onnx import TensorProto
+
+    digest, written, offset = hashlib.sha256(), [], 0
+    for tensor in _initializers(proto.graph):
+        if tensor.data_location == TensorProto.EXTERNAL:
+            raise ValueError(f"onnx export: initializer {tensor.name!r} is already external "
+                             f"data; the export writes tensors it holds in memory only")
+        if not tensor.HasField("raw_data") or len(tensor.raw_data) < SIZE_THRESHOLD:
+            continue
+        raw = tensor.raw_data
+        pad = bytes(-offset % ALIGNMENT if len(raw) >= _ALIGN_FROM else 0)
+        for chunk in (pad, raw):
+            f.write(chunk)
+            digest.update(chunk)
+        offset += len(pad)
+        written.append((tensor, offset, len(raw)))
+        offset += len(raw)
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        del raw
+    f.flush()
+    os.fsync(f.fileno())  # on the disk before any model names it
+    return digest.hexdigest(), written
+
+
+def _place(tmp: str, final: str, digest: str) -> str | None:
+    """``tmp`` renamed to ``final`` without replacing anything; returns ``final``, or None
+    where a file with the same bytes is there already (``tmp`` removed). Any other file
+    there is refused."""
+    try:
+        if not _renameat2(tmp, final, _RENAME_NOREPLACE):
+            with _parent_lock(os.path.dirname(final)):
+                if os.path.lexists(final):
+                    raise FileExistsError(final)
+                os.rename(tmp, final)
+        return final
+    except FileExistsError:
+        if not _same_bytes(final, digest):
+            raise ValueError(f"onnx export: {final!r} exists and is not this export's data "
+                             f"file (other bytes): quantscope never replaces a data file; "
+                             f"move it away or choose another output") from None
+    os.remove(tmp)
+    return None
+
+
+def _same_bytes(path: str, digest: str) -> bool:
+    """Whether ``path`` is a regular file (not a link) whose SHA-256 is ``digest``."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                h.update(chunk)
+    except OSError:
+        return False
+    return h.hexdigest() == digest
+
+
+def _old_data(target: str, onnx) -> str | None:
+    """The data file of the quantscope export at ``target`` (to delete once replaced): its
+    one location, where that is ``<model name>.<hex digits>.data``, a plain file beside it."""
+    if not os.path.isfile(target) or not written_by_quantscope(target):
+        return None
+    try:
+        proto = onnx.load(target, load_external_data=False)
+    except Exception:  # noqa: BLE001 (not readable now: nothing of it to delete)
+        return None
+    folder, name = os.path.split(target)
+    locations = {_entries(t).get("location") for t in _tensors(proto.graph) if _external(t)}
+    own = re.compile(re.escape(name) + rf"\.[0-9a-f]{{{_DIGITS}}}\.data")
+    if len(locations) != 1 or not own.fullmatch(next(iter(locations)) or ""):
+        return None
+    old = os.path.join(folder, locations.pop())
+    return old if os.path.isfile(old) and not os.path.islink(old) else None
+
+
+def read_graph(path):
+    """``(proto, folder)``: the ONNX model at ``path`` without its external data, every
+    external tensor's location checked (module doc); ``folder``, where its data files lie,
+    is None for a model without external data."""
+    import onnx
+
+    path = os.fspath(path)
+    proto = onnx.load(path, load_external_data=False)
+    folder = os.path.dirname(os.path.abspath(path))
+    external = [t for t in _tensors(proto.graph) if _external(t)]
+    for tensor in external:
+        _check_location(tensor, folder, path)
+    return proto, (folder if external else None)
+
+
+def _check_location(tensor, folder: str, path: str) -> None:
+    entries = _entries(tensor)
+    where = entries.get("location", "")
+    bad = _bad_location(where, folder)
+    if bad is None:
+        size = os.stat(os.path.join(folder, where)).st_size
+        try:
+            offset, length = int(entries.get("offset", 0)), entries.get("length")
+            length = size - offset if length is None else int(length)
+        except ValueError:
+            offset, length = -1, 0
+        if offset < 0 or length < 0 or offset + length > size:
+            bad = (f"offset {entries.get('offset')} and length {entries.get('length')} lie "
+                   f"outside its {size} bytes")
+    if bad is not None:
+        raise ValueError(f"onnx model {path!r}: tensor {tensor.name!r} has its data in "
+                         f"{where!r}, which {bad}; quantscope reads external data only from "
+                         f"a file inside the model's folder, named by a relative path")
+
+
+def _bad_location(where: str, folder: str) -> str | None:
+    """Why ``where`` (a tensor's location) may not be read, or None."""
+    parts = where.replace("\\", "/").split("/")
+    if not where or "\0" in where or os.path.isabs(where) or ntpath.isabs(where) \
+            or ntpath.splitdrive(where)[0]:
+        return "is not a relative path"
+    if ".." in parts:
+        return "leads out of the model's folder (..)"
+    full = os.path.join(folder, where)
+    real, home = os.path.realpath(full), os.path.realpath(folder)
+    if os.path.islink(full):
+        return "is a symbolic link"
+    if os.path.commonpath([real, home]) != home:
+        return "lies outside the model's folder (through a symbolic link)"
+    try:
+        if not stat.S_ISREG(os.stat(full).st_mode):
+            return "is not a regular file"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    return None
+
+
+def session_entries(options, folder: str | None, model, optimized_model_path) -> None:
+    """The ONNX Runtime session entries a model with external data in ``folder`` needs:
+    where its data lies when the session gets the model's bytes (``model`` not a path), and
+    an optimized model saved with its tensors in ``<optimized name>.data`` (else ORT writes
+    one message, which fails past 2 GiB)."""
+    if folder is None:
+        return
+    if not isinstance(model, str):
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", folder)
+    if optimized_model_path is not None:
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name",
+            os.path.basename(os.fspath(optimized_model_path)) + ".data")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes",
+            str(SIZE_THRESHOLD))
+
+
+def _external(tensor) -> bool:
+    return tensor.HasField("data_location") and tensor.data_location == tensor.EXTERNAL
+
+
+def _entries(tensor) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _initializers(graph):
+    """The initializers of ``graph`` and of its subgraphs (an If's, a Loop's branches)."""
+    yield from graph.initializer
+    for sub in _subgraphs(graph):
+        yield from _initializers(sub)
+
+
+def _tensors(graph):
+    """Every tensor ``graph`` holds: initializers (dense and sparse), node attributes, and
+    those of its subgraphs."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
+                           *a.sparse_tensors):
+                yield from (sparse.values, sparse.indices)
+    for sub in _subgraphs(graph):
+        yield from _tensors(sub)
+
+
+def _subgraphs(graph):
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("g"):
+                yield a.g
+            yield from a.graphs

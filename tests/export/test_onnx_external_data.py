@@ -1,0 +1,252 @@
+"""ONNX export with external data (s49): a graph over protobuf's 2 GiB (``PROTOBUF_LIMIT``
+lowered here, so a tiny model takes the path) is written as the model plus one data file,
+``<name>.<16 hex digits>.data``, instead of being refused; ONNX Runtime's outputs are the
+single-file export's; the pair is written and replaced by the rules of every output (nothing
+foreign replaced, a failed write leaves the previous pair whole); and quantscope's readers
+refuse a model whose tensors name data outside its folder."""
+
+import hashlib
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from quantscope import calibrate, export
+from quantscope.exporters import onnx as qonnx
+from quantscope.exporters.onnx_tensors import unshared_codes
+
+torch.set_num_threads(1)
+DATA = re.compile(r"m\.onnx\.[0-9a-f]{16}\.data")
+
+
+class _Twice(nn.Module):  # a Linear called twice: its codes are shared by two DQ nodes
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    model = _Twice().eval()
+    g = torch.Generator().manual_seed(seed)
+    calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
+                      progress=False)
+    return model, calib, torch.randn(3, 64, generator=g)
+
+
+@pytest.fixture(scope="module")
+def made():
+    return {seed: _model(seed) for seed in (0, 1)}
+
+
+def _export(made, path, seed=0, **kw):
+    model, calib, x = made[seed]
+    return export(calib, model, path, format="onnx", example_inputs=(x,), **kw)
+
+
+def _run(path, x):
+    sess = qonnx.session(path, threads=1)
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _locations(path):
+    proto = onnx.load(str(path), load_external_data=False)
+    return [{e.key: e.value for e in t.external_data} for t in proto.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["this_cpu", "u8u8"])
+def test_a_graph_over_the_limit_is_written_with_external_data(tmp_path, made, monkeypatch,
+                                                              precise):
+    _export(made, tmp_path / "one" / "m.onnx")
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 1000)
+    _export(made, tmp_path / "two" / "m.onnx")  # external_data=None: over the limit
+    names = sorted(os.listdir(tmp_path / "two"))
+    assert len(names) == 2 and names[0] == "m.onnx" and DATA.fullmatch(names[1]), names
+    data = (tmp_path / "two" / names[1]).read_bytes()
+    assert names[1] == f"m.onnx.{hashlib.sha256(data).hexdigest()[:16]}.data"
+    # the codes (64 x 64 and 32 x 64 int8) are in the data file; scales and biases are not
+    assert sorted(int(e["length"]) for e in _locations(tmp_path / "two" / "m.onnx")) == \
+        [32 * 64, 64 * 64]
+    assert {e["location"] for e in _locations(tmp_path / "two" / "m.onnx")} == {names[1]}
+    assert str(tmp_path).encode() not in (tmp_path / "two" / "m.onnx").read_bytes()
+    if precise:  # the session loads a copy of the graph whose copies name the same bytes
+        monkeypatch.setattr(qonnx, "int8_dot_product", lambda *a: False)
+    x = made[0][2]
+    np.testing.assert_array_equal(_run(tmp_path / "two" / "m.onnx", x),
+                                  _run(tmp_path / "one" / "m.onnx", x))
+
+
+def test_the_external_data_option(tmp_path, made, monkeypatch):
+    before = (_export(made, tmp_path / "a.onnx"), sorted(os.listdir(tmp_path)))
+    assert before[1] == ["a.onnx"]  # a small model: one file, as before
+    _export(made, tmp_path / "b" / "m.onnx", external_data=True)
+    assert len(os.listdir(tmp_path / "b")) == 2
+    with pytest.raises(ValueError, match="external_data must be"):
+        _export(made, tmp_path / "c.onnx", external_data="yes")
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 1000)
+    with pytest.raises(ValueError, match=r"over protobuf's 2 GiB limit .* external_data=False"):
+        _export(made, tmp_path / "d.onnx", external_data=False)
+    assert sorted(os.listdir(tmp_path)) == ["a.onnx", "b"]
+
+
+def test_overwrite_replaces_the_pair_and_deletes_the_old_data(tmp_path, made):
+    path = tmp_path / "m.onnx"
+    _export(made, path, external_data=True)
+    old = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+        _export(made, path, seed=1, external_data=True)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == old
+    # the same export again: the same data file, kept as it is (same inode)
+    data = next(n for n in old if DATA.fullmatch(n))
+    inode = os.stat(tmp_path / data).st_ino
+    _export(made, path, external_data=True, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(old) and \
+        os.stat(tmp_path / data).st_ino == inode
+    # another model: a new data file, the old one deleted once the model is swapped in
+    _export(made, path, seed=1, external_data=True, overwrite=True)
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and data not in names
+    x = made[1][2]
+    with torch.no_grad(), made[1][1].apply(made[1][0]):
+        ref = made[1][0](x).numpy()
+    assert np.abs(_run(path, x) - ref).max() <= 1e-5 * np.abs(ref).max()
+    # a single-file export over it: its data file goes too
+    _export(made, path, overwrite=True)
+    assert os.listdir(tmp_path) == ["m.onnx"]
+
+
+def test_a_file_at_the_data_files_name_is_never_replaced(tmp_path, made):
+    _export(made, tmp_path / "probe" / "m.onnx", external_data=True)
+    name = next(n for n in os.listdir(tmp_path / "probe") if DATA.fullmatch(n))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_bytes(b"someone else's weights")
+    with pytest.raises(ValueError, match="is not this export's data file"):
+        _export(made, out / "m.onnx", external_data=True)
+    assert os.listdir(out) == [name] and (out / name).read_bytes() == b"someone else's weights"
+
+
+def test_a_failed_write_leaves_the_previous_pair_whole(tmp_path, made, monkeypatch):
+    path = tmp_path / "m.onnx"
+    _export(made, path, external_data=True)
+    old = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+
+    def crash(model, *a, **k):  # after the new data file is in place, before the swap
+        assert len(os.listdir(tmp_path)) == 4  # old pair, new data, the model's temporary
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(onnx.checker, "check_model", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        _export(made, path, seed=1, external_data=True, overwrite=True)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == old
+
+
+def test_overwrite_deletes_only_a_data_file_named_as_the_export_names_it(tmp_path, made):
+    """A quantscope model whose tensors name another file (crafted, or a renamed pair):
+    replacing it deletes nothing but the model."""
+    out = tmp_path / "out"
+    _export(made, out / "m.onnx", external_data=True)
+    data = next(n for n in os.listdir(out) if DATA.fullmatch(n))
+    (tmp_path / data).write_bytes((out / data).read_bytes())  # outside the folder
+    (out / "keep.data").write_bytes((out / data).read_bytes())
+    for location in (f"../{data}", "keep.data"):
+        proto = onnx.load(str(out / "m.onnx"), load_external_data=False)
+        for t in proto.graph.initializer:
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = location
+        (out / "m.onnx").write_bytes(proto.SerializeToString())
+        _export(made, out / "m.onnx", seed=1, overwrite=True)
+        assert (tmp_path / data).exists() and (out / "keep.data").exists()
+
+
+def _crafted(folder, location, offset=0, length=16):
+    """A model adding a 4-float initializer whose data lies at ``location``."""
+    from onnx import TensorProto, helper
+
+    t = helper.make_tensor("w", TensorProto.FLOAT, [4], b"\0" * 16, raw=True)
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", offset), ("length", length)):
+        e = t.external_data.add()
+        e.key, e.value = k, str(v)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [t])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    path = folder / "crafted.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("case", ["up", "absolute", "link_out", "fifo", "past_end", "ok"])
+@pytest.mark.parametrize("precise", [False, True], ids=["this_cpu", "u8u8"])
+def test_a_location_outside_the_models_folder_is_refused_before_ort_reads(
+        tmp_path, monkeypatch, case, precise):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(secret.read_bytes())
+    location = {"up": "../secret.bin", "absolute": str(secret), "link_out": "link.bin",
+                "fifo": "fifo", "past_end": "w.bin", "ok": "w.bin"}[case]
+    if case == "link_out":
+        os.symlink(secret, folder / "link.bin")
+    if case == "fifo":
+        os.mkfifo(folder / "fifo")
+    path = _crafted(folder, location, offset=8 if case == "past_end" else 0)
+    if precise:
+        monkeypatch.setattr(qonnx, "int8_dot_product", lambda *a: False)
+    if case == "ok":
+        got = qonnx.session(path).run(None, {"x": np.ones(4, np.float32)})[0]
+        np.testing.assert_array_equal(got, np.arange(4) + 1)
+        return
+    opened = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append(a))
+    with pytest.raises(ValueError, match=r"tensor 'w' has its data in .*, which .*; "
+                                         r"quantscope reads external data only from a file "
+                                         r"inside the model's folder"):
+        qonnx.session(path)
+    assert opened == []
+
+
+def test_the_graph_checks_run_on_a_graph_read_without_its_data(tmp_path, made, monkeypatch):
+    """unshared_codes and the float32 check take a graph whose tensors are external (read
+    with load_external_data=False): the copies name the same bytes, nothing is read."""
+    from quantscope.exporters.onnx_tensors import check_float32_quantize
+
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 1000)
+    path = _export(made, tmp_path / "m.onnx")
+    proto = onnx.load(str(path), load_external_data=False)
+    check_float32_quantize(proto)
+    copied = onnx.load_from_string(unshared_codes(path, proto))
+    external = [t for t in copied.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert len(external) == 3  # a's codes, their copy for the second call, b's codes
+    by_bytes = {}
+    for t in external:
+        e = {x.key: x.value for x in t.external_data}
+        by_bytes.setdefault((e["offset"], e["length"]), []).append(t.name)
+    assert sorted(map(len, by_bytes.values())) == [1, 2]
+
+
+def test_an_optimized_model_keeps_its_tensors_in_a_data_file(tmp_path, made, monkeypatch):
+    monkeypatch.setattr(qonnx, "PROTOBUF_LIMIT", 1000)
+    path = _export(made, tmp_path / "m.onnx")
+    qonnx.session(path, optimized_model_path=tmp_path / "opt.onnx")
+    assert (tmp_path / "opt.onnx.data").exists()
+    counts = qonnx.integer_kernel_counts(tmp_path / "opt.onnx")
+    assert counts.get("MatMulIntegerToFloat", 0) == 3, counts
