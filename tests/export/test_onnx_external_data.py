@@ -250,3 +250,26 @@ def test_an_optimized_model_keeps_its_tensors_in_a_data_file(tmp_path, made, mon
     assert (tmp_path / "opt.onnx.data").exists()
     counts = qonnx.integer_kernel_counts(tmp_path / "opt.onnx")
     assert counts.get("MatMulIntegerToFloat", 0) == 3, counts
+
+
+def test_the_rewrite_refuses_a_weight_held_as_external_data(tmp_path, made, monkeypatch):
+    """torch.onnx's proto holds every tensor's bytes; one that did not would have been read
+    by onnx relative to the working folder: refused, naming the layer."""
+    real = qonnx._export_float
+
+    def external(*a, **k):
+        proto = real(*a, **k)
+        for t in proto.graph.initializer:
+            if t.name.startswith("a.") and t.name.endswith("weight"):
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+                e = t.external_data.add()
+                e.key, e.value = "location", "w.bin"
+        return proto
+
+    monkeypatch.setattr(qonnx, "_export_float", external)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.bin").write_bytes(bytes(64 * 64 * 4))
+    with pytest.raises(ValueError, match=r"onnx export: a: the graph holds its weight "
+                                         r"'a\.weight' as external data"):
+        _export(made, tmp_path / "out" / "m.onnx")

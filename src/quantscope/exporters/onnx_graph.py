@@ -304,6 +304,11 @@ class _Rewrite:
         if layer is None or held is None:  # (a float layer's weight is never decoded)
             self.nodes.append(node)
             return
+        if self.inits[held].data_location == self.onnx.TensorProto.EXTERNAL:
+            # onnx would read it relative to the working folder: the rewrite reads only
+            # what the proto holds (torch.onnx's model_proto holds every tensor's bytes)
+            raise ValueError(f"onnx export: {layer}: the graph holds its weight {held!r} as "
+                             f"external data, which the rewrite does not read")
         array = self.onnx.numpy_helper.to_array(self.inits[held])
         array = array if held == source else array.T
         roles = self.states[layer]
