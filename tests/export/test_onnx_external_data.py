@@ -273,3 +273,16 @@ def test_the_rewrite_refuses_a_weight_held_as_external_data(tmp_path, made, monk
     with pytest.raises(ValueError, match=r"onnx export: a: the graph holds its weight "
                                          r"'a\.weight' as external data"):
         _export(made, tmp_path / "out" / "m.onnx")
+
+
+def test_a_model_that_names_no_location_is_not_parsed_for_the_check(tmp_path, made):
+    from quantscope.exporters.onnx_external import read_graph
+
+    path = _export(made, tmp_path / "m.onnx")
+    assert read_graph(path) == (None, None)
+    # "location" in a tensor's bytes: parsed, and no external data found
+    proto = onnx.load(str(path))
+    proto.graph.initializer[0].raw_data = b"location" + proto.graph.initializer[0].raw_data[8:]
+    (tmp_path / "n.onnx").write_bytes(proto.SerializeToString())
+    graph, folder = read_graph(tmp_path / "n.onnx")
+    assert graph is not None and folder is None

@@ -197,16 +197,32 @@ def _old_data(target: str, onnx) -> str | None:
 def read_graph(path):
     """``(proto, folder)``: the ONNX model at ``path`` without its external data, every
     external tensor's location checked (module doc); ``folder``, where its data files lie,
-    is None for a model without external data."""
+    is None for a model without external data. A file in which the bytes ``location`` (the
+    key every external tensor names its file by) occur nowhere is not parsed: ``(None,
+    None)`` (parsing a 100 MB model took 0.2 s, twice ONNX Runtime's own load)."""
     import onnx
 
     path = os.fspath(path)
+    if not _names_a_location(path):
+        return None, None
     proto = onnx.load(path, load_external_data=False)
     folder = os.path.dirname(os.path.abspath(path))
     external = [t for t in _tensors(proto.graph) if _external(t)]
     for tensor in external:
         _check_location(tensor, folder, path)
     return proto, (folder if external else None)
+
+
+def _names_a_location(path: str) -> bool:
+    """Whether the bytes ``location`` occur in the file (a tensor's bytes may hold them too:
+    then the graph is parsed, no more)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return False
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(b"location") >= 0
 
 
 def _check_location(tensor, folder: str, path: str) -> None:
