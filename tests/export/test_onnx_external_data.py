@@ -286,3 +286,21 @@ def test_a_model_that_names_no_location_is_not_parsed_for_the_check(tmp_path, ma
     (tmp_path / "n.onnx").write_bytes(proto.SerializeToString())
     graph, folder = read_graph(tmp_path / "n.onnx")
     assert graph is not None and folder is None
+
+
+def test_dropping_the_replaced_weights_copies_no_kept_tensor():
+    """drop_unused_initializers deleted every initializer and extended the graph with the
+    kept ones, which protobuf (upb) copies: a 2.2 GB model's float tensors held twice."""
+    from onnx import TensorProto, helper
+
+    from quantscope.exporters.onnx_graph import drop_unused_initializers
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "kept"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [helper.make_tensor(n, TensorProto.FLOAT, [1], [1.0]) for n in ("unused", "kept")])
+    kept = graph.initializer[1]
+    drop_unused_initializers(graph)
+    kept.dims[0] = 7  # the graph's own tensor, not a copy of it
+    assert [(t.name, list(t.dims)) for t in graph.initializer] == [("kept", [7])]
