@@ -304,3 +304,23 @@ def test_dropping_the_replaced_weights_copies_no_kept_tensor():
     drop_unused_initializers(graph)
     kept.dims[0] = 7  # the graph's own tensor, not a copy of it
     assert [(t.name, list(t.dims)) for t in graph.initializer] == [("kept", [7])]
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "int4"])
+def test_the_graphs_size_is_bounded_without_serializing_its_tensors(tmp_path, preset):
+    """graph_bytes (the external-data decision) counts raw tensors from their dims and type
+    (upb's ByteSize() serializes each one): never below what protobuf writes, and close."""
+    from quantscope.exporters.onnx_external import graph_bytes
+
+    torch.manual_seed(0)
+    model, x = _Twice().eval(), torch.randn(3, 64)
+    if preset == "int4":  # weight-only int4 per channel: codes packed two per byte
+        from quantscope import Channel, QuantSpec
+        from quantscope.calibration.recipe import Recipe, Role, Rule
+
+        preset = Recipe(Rule(("Linear",), weight=Role(QuantSpec("int4", Channel(0)), "minmax")))
+    calib = calibrate(model, [x], preset, progress=False)
+    path = export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=(x,))
+    graph = onnx.load(str(path)).graph
+    exact = sum(t.ByteSize() for t in (*graph.initializer, *graph.node))
+    assert exact <= graph_bytes(graph) <= exact * 1.1

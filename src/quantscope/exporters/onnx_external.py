@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import ntpath
 import os
 import re
@@ -41,7 +42,8 @@ from .atomic import _name_max, _public_modes, _temp_prefix, atomic_file, written
 from .atomic_swap import _RENAME_NOREPLACE, _parent_lock, _renameat2
 from .onnx_tensors import check_float32_quantize
 
-__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "read_graph", "session_entries", "write_model"]
+__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "graph_bytes", "read_graph", "session_entries",
+           "write_model"]
 
 #: the smallest initializer (bytes) written to the data file; smaller ones (scales, zero
 #: points, biases of small layers) stay in the model, as onnx's ``size_threshold`` default
@@ -52,6 +54,41 @@ ALIGNMENT = 65536
 _ALIGN_FROM = 1 << 20
 _DIGITS = 16  # hex digits of the data's SHA-256 in its file name
 _CHUNK = 1 << 24
+
+
+#: bits per element of the ONNX types a ``raw_data`` tensor holds (by TensorProto name)
+_BITS = {**dict.fromkeys(("INT4", "UINT4", "FLOAT4E2M1"), 4),
+         **dict.fromkeys(("INT8", "UINT8", "BOOL", "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ",
+                          "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0"), 8),
+         **dict.fromkeys(("INT16", "UINT16", "FLOAT16", "BFLOAT16"), 16),
+         **dict.fromkeys(("FLOAT", "INT32", "UINT32"), 32),
+         **dict.fromkeys(("DOUBLE", "INT64", "UINT64", "COMPLEX64"), 64), "COMPLEX128": 128}
+
+
+def graph_bytes(graph) -> int:
+    """What ``graph``'s initializers and nodes take serialized, near enough to tell
+    protobuf's 2 GiB limit (an upper bound): a ``raw_data`` tensor as its element count times
+    its type's size plus a bound on its other fields, never serialized (upb's ``ByteSize()`` serializes the message: a transient copy of
+    the largest tensor, 1.1 GB of a 2.2 GB model's peak); other tensors and the nodes by
+    ``ByteSize()``."""
+    total = 0
+    for t in graph.initializer:
+        size = _raw_size(t)
+        # (its name, dims, type and tags, at most: a bound, as the data is exact)
+        total += t.ByteSize() if size is None else \
+            size + len(t.name.encode()) + 11 * len(t.dims) + 32
+    return total + sum(n.ByteSize() for n in graph.node)
+
+
+def _raw_size(tensor) -> int | None:
+    """The bytes of ``tensor``'s ``raw_data`` from its dims and type, or None (no raw data,
+    or a type not in :data:`_BITS`). Reading ``raw_data`` itself copies it (upb)."""
+    from onnx import TensorProto
+
+    if not tensor.HasField("raw_data") or tensor.data_type not in TensorProto.DataType.values():
+        return None
+    bits = _BITS.get(TensorProto.DataType.Name(tensor.data_type))
+    return None if bits is None else (math.prod(tensor.dims) * bits + 7) // 8
 
 
 def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -> None:
@@ -124,13 +161,17 @@ def _write_data(proto, f):
         if tensor.data_location == TensorProto.EXTERNAL:
             raise ValueError(f"onnx export: initializer {tensor.name!r} is already external "
                              f"data; the export writes tensors it holds in memory only")
-        if not tensor.HasField("raw_data") or len(tensor.raw_data) < SIZE_THRESHOLD:
+        if not tensor.HasField("raw_data"):
             continue
-        raw = tensor.raw_data
+        size = _raw_size(tensor)  # (len(tensor.raw_data) would copy the bytes)
+        if (len(tensor.raw_data) if size is None else size) < SIZE_THRESHOLD:
+            continue
+        raw = tensor.raw_data  # the one copy of this tensor, dropped before the next
         pad = bytes(-offset % ALIGNMENT if len(raw) >= _ALIGN_FROM else 0)
-        for chunk in (pad, raw):
-            f.write(chunk)
-            digest.update(chunk)
+        f.write(pad)
+        f.write(raw)
+        digest.update(pad)
+        digest.update(raw)
         offset += len(pad)
         written.append((tensor, offset, len(raw)))
         offset += len(raw)
