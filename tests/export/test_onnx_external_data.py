@@ -192,7 +192,8 @@ def _crafted(folder, location, offset=0, length=16):
     return path
 
 
-@pytest.mark.parametrize("case", ["up", "absolute", "link_out", "fifo", "past_end", "ok"])
+@pytest.mark.parametrize("case", ["up", "absolute", "link_out", "fifo", "past_end", "ort_memory",
+                                  "ok"])
 @pytest.mark.parametrize("precise", [False, True], ids=["this_cpu", "u8u8"])
 def test_a_location_outside_the_models_folder_is_refused_before_ort_reads(
         tmp_path, monkeypatch, case, precise):
@@ -202,7 +203,9 @@ def test_a_location_outside_the_models_folder_is_refused_before_ort_reads(
     folder.mkdir()
     (folder / "w.bin").write_bytes(secret.read_bytes())
     location = {"up": "../secret.bin", "absolute": str(secret), "link_out": "link.bin",
-                "fifo": "fifo", "past_end": "w.bin", "ok": "w.bin"}[case]
+                "fifo": "fifo", "past_end": "w.bin", "ok": "w.bin",
+                # ONNX Runtime's tag for initializers it holds in memory (offset: an address)
+                "ort_memory": "*/_ORT_MEM_ADDR_/*"}[case]
     if case == "link_out":
         os.symlink(secret, folder / "link.bin")
     if case == "fifo":

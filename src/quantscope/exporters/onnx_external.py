@@ -68,9 +68,9 @@ _BITS = {**dict.fromkeys(("INT4", "UINT4", "FLOAT4E2M1"), 4),
 def graph_bytes(graph) -> int:
     """What ``graph``'s initializers and nodes take serialized, near enough to tell
     protobuf's 2 GiB limit (an upper bound): a ``raw_data`` tensor as its element count times
-    its type's size plus a bound on its other fields, never serialized (upb's ``ByteSize()`` serializes the message: a transient copy of
-    the largest tensor, 1.1 GB of a 2.2 GB model's peak); other tensors and the nodes by
-    ``ByteSize()``."""
+    its type's size plus a bound on its other fields, never serialized (upb's
+    ``ByteSize()`` serializes the message: a transient copy of the largest tensor, 1.1 GB of
+    a 2.2 GB model's peak); other tensors and the nodes by ``ByteSize()``."""
     total = 0
     for t in graph.initializer:
         size = _raw_size(t)
@@ -220,7 +220,8 @@ def _same_bytes(path: str, digest: str) -> bool:
 def _old_data(target: str, onnx) -> str | None:
     """The data file of the quantscope export at ``target`` (to delete once replaced): its
     one location, where that is ``<model name>.<hex digits>.data``, a plain file beside it."""
-    if not os.path.isfile(target) or not written_by_quantscope(target):
+    if not os.path.isfile(target) or not _names_a_location(target) \
+            or not written_by_quantscope(target):
         return None
     try:
         proto = onnx.load(target, load_external_data=False)
