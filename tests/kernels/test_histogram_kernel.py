@@ -284,8 +284,12 @@ def test_nan_input_is_recorded_not_a_crash(monkeypatch):
             o.calculate_qparams()
 
 
-def test_fused_forward_reads_nothing_back(forbid_host_sync, monkeypatch):
+@pytest.mark.parametrize("cached", [False, True], ids=["general", "cached"])
+def test_fused_forward_reads_nothing_back(forbid_host_sync, monkeypatch, cached):
+    """The fused pass, through fused_update (the general forward) or the cached step's own
+    call of the same C function (observers/hist_step.py), reads nothing back."""
     o = OBSERVERS["signed"]()
+    o.cached_cpu_step = cached
     xs = [torch.randn(64, 1024) * s for s in (1.0, 1.2, 1.5)]
     o(xs[0])
     calls = []
@@ -300,4 +304,7 @@ def test_fused_forward_reads_nothing_back(forbid_host_sync, monkeypatch):
     forbid_host_sync()
     for x in xs[1:]:
         o(x)
-    assert calls and all(calls)
+    if cached:
+        assert not calls and "_hist_plans" in o.__dict__
+    else:
+        assert calls and all(calls)

@@ -31,10 +31,10 @@ bin to the bin of its centre: the only approximate step; Horizon's KL appends bi
 first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``); exact from then on
 (host reads). All units leave together, so one can differ a little from itself observed alone.
 
-On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`,
-bitwise equal to the torch path): a one-unit (per-tensor) histogram takes the
-min / max and updates its counts in one read of the batch (``_unit_minmax``
-runs the fused pass and hands its state to ``_observe``).
+On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`, bitwise equal
+to the torch path): a one-unit (per-tensor) histogram takes the min / max and updates its counts
+in one read of the batch (``_unit_minmax`` runs the fused pass, ``_observe`` takes its state);
+a float32 batch's call is one C call, its decisions cached per input (:mod:`.hist_step`).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax_layouts import unpad_minmax_
 from . import record
 from .base import Observer
+from .hist_step import CACHES, cpu_step
 from .histogram_ema import WINDOW, IntervalAverage
 from .histogram_estimate import ScaledEstimate
 from .registry import register
@@ -95,6 +96,7 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
     _step_zeros: torch.Tensor | None = None
     GROW_LIMIT = 1  #: a first grid grows to at most GROW_LIMIT x bins (_append_bins; 1: never)
     MIN_BINS = 16  #: the fewest ``bins`` taken (a toolkit's class whose grids take fewer lowers it)
+    cached_cpu_step = True  #: the cached CPU call (:mod:`.hist_step`); False: general forward
 
     def __init__(self, spec=None, *, bins: int = 2048, averaging_constant: float | None = None,
                  update_interval: int = 1, grid: str = "pow2", skip_zeros: bool = False,
@@ -120,12 +122,14 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         self._register_window()
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
         # [(units, their contiguous copy, the fused pass's state or None, their padded parts)]
-        # from _unit_minmax, for _observe, and the shape forward read (a list: assigning a
-        # module attribute goes through nn.Module.__setattr__, a few us every batch)
+        # from _unit_minmax, for _observe, and the shape forward read (a list: no setattr)
         self._pass = [None, None]
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi", *WINDOW)
+
+    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the CPU step's caches
+        return {k: v for k, v in super().__getstate__().items() if k not in CACHES}
 
     @property
     def units_in_input_dtype(self) -> bool:
@@ -173,6 +177,8 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x):
+        if cpu_step(self, x, HistogramObserverBase):  # one C pass, its decisions cached
+            return x
         self._pass[1] = getattr(x, "shape", None)  # which units are padded (_padding)
         return super().forward(x)
 

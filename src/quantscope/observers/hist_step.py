@@ -1,0 +1,195 @@
+"""A one-unit histogram observer's common CPU call in one C pass, its decisions cached.
+
+A per-tensor histogram observer's ``forward`` on a float32 CPU batch is one fused C pass
+(:func:`quantscope.stats.hist_kernel.fused_update`: the min / max and the counts in one read)
+wrapped in ~60 us of Python per call (the checks, the layout, the state's tests, the kernel's
+own tests, the ends tensor, the min / max update, the token count), where torch.ao's whole
+``HistogramObserver`` takes ~55 us on 2K elements. Those decisions follow from the input's
+``(shape, stride, dtype)`` and the observer's spec, so :func:`cpu_step` makes them once per
+such key (:func:`_plan`, which also runs ``check_input``: its errors are the general path's),
+and each later call only tests what can change between calls (the context, the state's
+tensors, the settings), then makes the fused kernel call the general path makes, into fresh
+state tensors that the buffers take as the general path's ``_store`` gives them: the same
+state, bit for bit, the same tensor versions, flags and counts. A miss of the fused pass (a
+value outside its window, NaN / inf, an empty state) changes nothing, and the general path
+runs (its two-pass update), as does anything else this step does not take: it returns False.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+from torch.autograd.graph import increment_version
+
+from .. import kernels
+from ..stats import hist_kernel
+from .base import tokens_of
+
+__all__ = ["CACHES", "MAX_PLANS", "cpu_step"]
+
+#: the steps of forward the cached call stands for: a class overriding any of them, or an
+#: instance given its own (a test's spy), keeps the general path (the override must run)
+_STEPS = frozenset((
+    "check_input", "leave_inference_mode", "_check_unit_count", "_check_size", "_unit_minmax",
+    "_padding", "_record_non_finite", "_observe", "_observe_linear", "_state", "_set_state",
+    "_store", "_drop_zeros", "_interval_batch", "count_batch", "set_shape",
+    "units_in_input_dtype", "unpads", "needs_units"))
+_classes: dict[type, bool] = {}
+#: plans kept per observer (keys seen); past it the cache starts over
+MAX_PLANS = 16
+#: the observer attributes :func:`cpu_step` caches in; never copied or pickled
+CACHES = ("_hist_plans", "_hist_scratch")
+_STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
+_REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
+_F32, _I64, _CPU = torch.float32, torch.int64, torch.device("cpu")
+
+
+def _takes_class(cls: type, base: type) -> bool:
+    """Whether ``cls`` runs the histogram ``base``'s steps (and an accumulating state)."""
+    return (issubclass(cls, base) and cls.accumulates
+            and all(getattr(cls, n) is getattr(base, n) for n in _STEPS))
+
+
+def _plan(obs, x: torch.Tensor) -> tuple[int, int] | None:
+    """``(elements, tokens)`` where the general forward reads float32 ``x`` as one unit of
+    its own contiguous memory (the fused pass's input); None where it does something else.
+    Raises what ``check_input`` raises (the general path's first check)."""
+    if not obs.check_input(x) or x.dtype != torch.float32 or not x.is_contiguous():
+        return None  # empty, other dtypes (their two-pass update), strided: general path
+    layout = obs.spec.layout
+    if layout.pads_at(x.shape):
+        return None
+    units = layout.to_units(x)
+    if units.dim() != 2 or units.shape[0] != 1 or not units.is_contiguous() \
+            or units.data_ptr() != x.data_ptr():
+        return None
+    return units.shape[1], tokens_of(x)
+
+
+def _lookup(obs, x: torch.Tensor):
+    """The plan for ``x``'s key (made on first sight; the cache follows the spec object)."""
+    spec = obs.spec
+    cache = obs.__dict__.get("_hist_plans")
+    if cache is None or cache[0] is not spec:
+        cache = obs.__dict__["_hist_plans"] = (spec, {})
+    plans = cache[1]
+    key = (x.shape, x.stride(), x.dtype)
+    if key in plans:
+        return plans[key]
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plan = plans[key] = _plan(obs, x)
+    return plan
+
+
+def _scratch(obs):
+    """This observer's scratch: ``(lo, hi, address of the ends, ends)``: a batch's ``[1]``
+    float32 min / max (read into the state by ``torch.minimum`` / ``maximum``, as the general
+    path's fresh pair is, and kept by nothing) and 2 floats for the ends."""
+    s = obs.__dict__.get("_hist_scratch")
+    if s is None:
+        ends = (ctypes.c_float * 2)()
+        s = obs.__dict__["_hist_scratch"] = (torch.empty(1, dtype=torch.float32, device=_CPU),
+                                             torch.empty(1, dtype=torch.float32, device=_CPU),
+                                             ctypes.addressof(ends), ends)
+    return s
+
+
+def _plain(t: torch.Tensor, n: int, dtype: torch.dtype) -> bool:
+    """A state tensor the fused pass reads: ``n`` elements of ``dtype``, contiguous on the CPU,
+    :func:`~quantscope.kernels.real_tensor` (the context is tested once per call)."""
+    return (t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.numel() == n
+            and kernels.real_tensor(t))
+
+
+def _state(bufs, B: int):
+    """The histogram state ``(counts, exp, first, lo, hi)`` where the fused pass takes it (one
+    unit of ``B`` bins, as ``hist_kernel.fused_update`` tests it), else None."""
+    counts, exp, first, lo, hi = state = [bufs[n] for n in _STATE]
+    if (counts.shape == (1, B) and exp.shape == first.shape == lo.shape == hi.shape == (1,)
+            and _plain(counts, B, _I64) and _plain(exp, 1, _I64) and _plain(first, 1, _I64)
+            and _plain(lo, 1, _F32) and _plain(hi, 1, _F32)):
+        return state
+    return None
+
+
+def _takes_call(obs, x, base: type) -> bool:
+    """The per-call tests of the class, the settings and the input that need no plan."""
+    cls = type(obs)
+    takes = _classes.get(cls)
+    if takes is None:
+        takes = _classes[cls] = _takes_class(cls, base)
+    return (takes and type(x) in _REAL and x.is_cpu and x.layout == torch.strided
+            and x.dtype == _F32 and obs.non_finite == "error" and obs.grid == "pow2"
+            and not obs.sync_every_step and obs.averaging_constant is None
+            and not obs.skip_zeros and obs.cached_cpu_step and obs.accumulates
+            and _STEPS.isdisjoint(obs.__dict__))
+
+
+def _leave_inference_mode(obs, bufs) -> None:
+    """``obs.leave_inference_mode()`` where it has work (a buffer made under
+    ``torch.inference_mode``, outside it): its loop, without the call, is most calls' cost."""
+    if not torch.is_inference_mode_enabled():
+        for buf in bufs.values():
+            if buf is not None and buf.is_inference():
+                obs.leave_inference_mode()
+                return
+
+
+def _count(counter: torch.Tensor, tokens: int) -> None:
+    """``kernels.add(counter, tokens)`` (else ``add_``), the context already tested."""
+    if (counter.dtype == _I64 and counter.is_cpu and counter.is_contiguous() and counter.numel()
+            and kernels.real_tensor(counter)):
+        ctypes.c_int64.from_address(counter.data_ptr()).value += tokens
+        increment_version(counter)
+    else:
+        counter.add_(tokens)
+
+
+def cpu_step(obs, x, base: type) -> bool:
+    """``obs.forward(x)``'s whole step where it is one fused C pass over a one-unit float32
+    CPU ``x`` (``obs``: a histogram observer, an instance of ``base``, the class whose steps
+    it stands for); False, nothing changed, elsewhere."""
+    # the context first (None: no kernel, or a trace / compile / fake mode): Dynamo folds it
+    lib = hist_kernel._kernel()
+    if lib is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
+        return False
+    plan = _lookup(obs, x)
+    if plan is None:
+        return False
+    last = obs._last_shape
+    new_shape = last != x.shape
+    if new_shape and last is not None and obs.spec.layout.num_units(last) != 1:
+        return False  # the general path says what is wrong
+    bufs = obs._buffers
+    _leave_inference_mode(obs, bufs)  # (first: it may replace buffers)
+    slo, shi = bufs["min_vals"], bufs["max_vals"]
+    B = bufs["hist_counts"].shape[-1]
+    if (slo.shape != (1,) or shi.shape != (1,) or not 1 <= B <= hist_kernel.MAX_BINS
+            or B * 8 > obs.max_hist_bytes or not bufs["seen_non_finite"].is_cpu):
+        return False  # a first call sizes the state; the general path checks the rest
+    state = _state(bufs, B)
+    if state is None:
+        return False
+    # the fresh state hist_kernel.fused_update makes (the buffers then take it: _store)
+    new = (torch.zeros(1, B, dtype=_I64), torch.empty(1, dtype=_I64),
+           torch.empty(1, dtype=_I64), torch.empty(1, dtype=_F32, device=_CPU),
+           torch.empty(1, dtype=_F32, device=_CPU))
+    lo, hi, addr, ends = _scratch(obs)
+    if lib.qs_hist_fused(x.data_ptr(), plan[0], B, int(obs._absolute),
+                         *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
+                         lo.data_ptr(), hi.data_ptr(), addr, torch.get_num_threads()):
+        return False  # a miss: nothing written; the general path's two-pass update runs
+    obs._pass[1] = x.shape  # as the general forward leaves it
+    torch.minimum(slo, lo, out=slo)  # the min / max state as _observe updates it
+    torch.maximum(shi, hi, out=shi)
+    for buf, value in zip(state, new):  # _store's eager CPU swap: the buffers keep their ids
+        buf.data = value
+    if not (math.isfinite(ends[0]) and math.isfinite(ends[1])):  # (record_ends)
+        bufs["seen_non_finite"].fill_(True)
+    _count(bufs["observed_tokens"], plan[1])
+    if new_shape:
+        obs.set_shape(x.shape)
+    return True
