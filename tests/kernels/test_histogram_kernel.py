@@ -195,6 +195,33 @@ def test_fused_update_equals_minmax_then_update(seed, B, absolute, kind, threads
         assert hits >= 3  # the window holds growth by 3x: most batches fuse
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), B=st.sampled_from([16, 256, 2048]), absolute=st.booleans(),
+       E=st.sampled_from([1, 7, 16, 100, 1000, 2048, 1535, 1536, 4095, 4096, 8191, 8192,
+                          12287, 12288]),
+       kind=st.sampled_from(["normal", "concentrated", "edges", "tiny", "shift"]))
+def test_fused_update_of_short_batches_equals_minmax_then_update(seed, B, absolute, E, kind):
+    """Below 2x its window's bins the fused pass counts straight into the window (no int32
+    copies), above it through the copies: both equal the two passes (the window's bins that
+    can hold counts are those of lo .. hi, max |x| for |x|: the bounds on both sides)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = _batches(g, 7, kind, E=E)
+    state, _, _ = _unfused(H.empty_state(1, B), batches[0], absolute)
+    hits = 0
+    for x in batches[1:]:
+        ref, lo, hi = _unfused(state, x, absolute)
+        ends = torch.empty(2)
+        out = HK.fused_update(state, x, absolute, ends=ends)
+        if out is not None:
+            hits += 1
+            assert _same(out[0], ref)
+            assert torch.equal(out[1], lo) and torch.equal(out[2], hi)
+            assert torch.equal(ends, torch.cat([lo, hi]))
+        state = ref
+    if kind == "normal" and E >= 100:
+        assert hits >= 3
+
+
 def test_fused_update_misses_leave_the_unfused_path():
     state, _, _ = _unfused(H.empty_state(1, 256), torch.randn(1, 10_000), False)
     assert HK.fused_update(state, torch.randn(1, 10_000) * 100, False) is None  # off the window

@@ -31,7 +31,11 @@ activations with outlier channels) on one core, torch path: ``add_values`` ~5-7 
   ``2 ** m`` equals binning at ``e + m``: multiplying by a power of two is exact).
   A value outside the window, a NaN / inf, or a negative value that rounds to
   ``-0`` at the new exponent (the torch path bins it at 0, the window at -1) is a
-  miss: nothing changes and the caller takes the unfused path.
+  miss: nothing changes and the caller takes the unfused path. A batch of fewer values than
+  2x the window's bins is counted straight into the window's int64 bins (the vector index
+  and min / max loop is the same): zeroing and flushing the int32 copies, 8 x 3 x 2048 of
+  them, took ~8 of the ~12 us the pass took on 2K values (now ~5 us); only the window's bins
+  of lo .. hi (``|x|``: 0 .. max |x|) are merged onto the new grid (the others hold none).
 
 Measured (bench_histogram speed(), one thread, shared machine, medians): observe
 per batch 1.5-1.7 ms against torch.ao's 18.6-19.2 ms (ratio 11-12.7); the kernel
