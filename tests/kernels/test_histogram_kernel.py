@@ -222,6 +222,27 @@ def test_fused_update_of_short_batches_equals_minmax_then_update(seed, B, absolu
         assert hits >= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("absolute", [False, True])
+def test_fused_update_reads_half_batches_as_their_float32_values(dtype, absolute, monkeypatch):
+    """A bf16 / fp16 batch of one piece (HALF_PIECE values) at most is read in one fused pass
+    over its float32 copy, equal to the two passes over its values; a larger one is left to
+    the two passes (which widen a piece at a time)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3000, generator=g)
+    state, _, _ = _unfused(H.empty_state(1, 2048), x, absolute)
+    for scale in (0.5, 1.0, 1.2):  # inside the fused pass's window
+        half = (torch.randn(1, 3000, generator=g) * scale).to(dtype)
+        half[0, :3] = torch.tensor([0.0, -0.0, 1e-7])
+        ref, lo, hi = _unfused(state, half.float(), absolute)
+        out = HK.fused_update(state, half, absolute)
+        assert out is not None
+        assert _same(out[0], ref) and torch.equal(out[1], lo) and torch.equal(out[2], hi)
+        state = ref
+    monkeypatch.setattr(HK, "HALF_PIECE", 2999)
+    assert HK.fused_update(state, half, absolute) is None
+
+
 def test_fused_update_misses_leave_the_unfused_path():
     state, _, _ = _unfused(H.empty_state(1, 256), torch.randn(1, 10_000), False)
     assert HK.fused_update(state, torch.randn(1, 10_000) * 100, False) is None  # off the window

@@ -1,6 +1,7 @@
 """A one-unit histogram observer's common CPU call in one C pass, its decisions cached.
 
-A per-tensor histogram observer's ``forward`` on a float32 CPU batch is one fused C pass
+A per-tensor histogram observer's ``forward`` on a float32 CPU batch (a bf16 / fp16 one of up
+to ``hist_kernel.HALF_PIECE`` values: its float32 copy) is one fused C pass
 (:func:`quantscope.stats.hist_kernel.fused_update`: the min / max and the counts in one read)
 wrapped in ~60 us of Python per call (the checks, the layout, the state's tests, the kernel's
 own tests, the ends tensor, the min / max update, the token count), where torch.ao's whole
@@ -44,6 +45,7 @@ CACHES = ("_hist_plans", "_hist_scratch")
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 _REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
 _F32, _I64, _CPU = torch.float32, torch.int64, torch.device("cpu")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (bf16 / fp16: hist_kernel.widens)
 
 
 def _takes_class(cls: type, base: type) -> bool:
@@ -53,11 +55,12 @@ def _takes_class(cls: type, base: type) -> bool:
 
 
 def _plan(obs, x: torch.Tensor) -> tuple[int, int] | None:
-    """``(elements, tokens)`` where the general forward reads float32 ``x`` as one unit of
-    its own contiguous memory (the fused pass's input); None where it does something else.
+    """``(elements, tokens)`` where the general forward reads ``x`` (float32, bf16, fp16) as
+    one unit of its own contiguous memory (the fused pass's input); None where it does
+    something else.
     Raises what ``check_input`` raises (the general path's first check)."""
-    if not obs.check_input(x) or x.dtype != torch.float32 or not x.is_contiguous():
-        return None  # empty, other dtypes (their two-pass update), strided: general path
+    if not obs.check_input(x) or x.dtype not in _DTYPES or not x.is_contiguous():
+        return None  # empty, float64 (its range check reads values), strided: general path
     layout = obs.spec.layout
     if layout.pads_at(x.shape):
         return None
@@ -122,7 +125,7 @@ def _takes_call(obs, x, base: type) -> bool:
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
     return (takes and type(x) in _REAL and x.is_cpu and x.layout == torch.strided
-            and x.dtype == _F32 and obs.non_finite == "error" and obs.grid == "pow2"
+            and (x.dtype == _F32 or hist_kernel.widens(x)) and obs.non_finite == "error" and obs.grid == "pow2"
             and not obs.sync_every_step and obs.averaging_constant is None
             and not obs.skip_zeros and obs.cached_cpu_step and obs.accumulates
             and _STEPS.isdisjoint(obs.__dict__))
@@ -149,9 +152,10 @@ def _count(counter: torch.Tensor, tokens: int) -> None:
 
 
 def cpu_step(obs, x, base: type) -> bool:
-    """``obs.forward(x)``'s whole step where it is one fused C pass over a one-unit float32
-    CPU ``x`` (``obs``: a histogram observer, an instance of ``base``, the class whose steps
-    it stands for); False, nothing changed, elsewhere."""
+    """``obs.forward(x)``'s whole step where it is one fused C pass over a one-unit CPU ``x``
+    (float32; bf16 / fp16 where ``hist_kernel.widens`` them) (``obs``: a histogram observer,
+    an instance of ``base``, the class whose steps it stands for); False, nothing changed,
+    elsewhere."""
     # the context first (None: no kernel, or a trace / compile / fake mode): Dynamo folds it
     lib = hist_kernel._kernel()
     if lib is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
@@ -178,7 +182,9 @@ def cpu_step(obs, x, base: type) -> bool:
            torch.empty(1, dtype=_I64), torch.empty(1, dtype=_F32, device=_CPU),
            torch.empty(1, dtype=_F32, device=_CPU))
     lo, hi, addr, ends = _scratch(obs)
-    if lib.qs_hist_fused(x.data_ptr(), plan[0], B, int(obs._absolute),
+    # bf16 / fp16: a float32 copy, as fused_update reads them (hist_kernel.widens)
+    src = x if x.dtype == _F32 else (x.detach() if x.requires_grad else x).float()
+    if lib.qs_hist_fused(src.data_ptr(), plan[0], B, int(obs._absolute),
                          *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
                          lo.data_ptr(), hi.data_ptr(), addr, torch.get_num_threads()):
         return False  # a miss: nothing written; the general path's two-pass update runs
