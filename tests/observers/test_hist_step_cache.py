@@ -202,6 +202,12 @@ def test_errors_after_the_plan_is_cached():
         assert call(obs, x) is not None
         assert call(obs, x) == call(twin, x)
         same_state(obs, twin)
+    for o in (obs, twin):  # bins past max_hist_bytes (the state still of 2048): _check_size
+        o.bins = 1 << 30
+    assert call(obs, g(5, 8, 32)) == call(twin, g(5, 8, 32)) is not None
+    for o in (obs, twin):
+        o.bins = 2048
+    feed(obs, twin, [g(6, 8, 32)])
     for o in (obs, twin):  # a spec whose layout refuses the shape (plans follow the spec)
         o.spec = QuantSpec("int8", Channel(2))
     assert call(obs, g(3, 8, 32)) == call(twin, g(3, 8, 32)) is not None

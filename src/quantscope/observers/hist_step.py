@@ -172,7 +172,7 @@ def cpu_step(obs, x, base: type) -> bool:
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     B = bufs["hist_counts"].shape[-1]
     if (slo.shape != (1,) or shi.shape != (1,) or not 1 <= B <= hist_kernel.MAX_BINS
-            or B * 8 > obs.max_hist_bytes or not bufs["seen_non_finite"].is_cpu):
+            or obs.bins * 8 > obs.max_hist_bytes or not bufs["seen_non_finite"].is_cpu):
         return False  # a first call sizes the state; the general path checks the rest
     state = _state(bufs, B)
     if state is None:
