@@ -281,7 +281,7 @@ def test_compiled_and_fake_mode_take_the_general_path():
 
 
 # ------------------------------------------------------------------ the differential property
-_SHAPES = [(1,), (7,), (256,), (8, 32), (2, 3, 40), (2048,), (64, 256)]
+_SHAPES = [(1,), (7,), (256,), (8, 32), (2, 3, 40), (2048,), (64, 256), (1, 300), (1, 2048)]
 _DTYPES = [torch.float32] * 4 + [torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -310,12 +310,15 @@ def batches(draw):
     return x
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(NAMES), symmetric=st.booleans(),
+       layout=st.sampled_from([Tensor(), Tensor(), Channel(0)]),
        non_finite=st.sampled_from(["error", "ignore"]), bins=st.sampled_from([128, 300, 2048]),
        xs=st.lists(batches(), min_size=1, max_size=8))
-def test_cached_and_general_paths_agree(name, symmetric, non_finite, bins, xs):
-    obs, twin = pair(name, QuantSpec("int8", Tensor(), symmetric=symmetric),
+def test_cached_and_general_paths_agree(name, symmetric, layout, non_finite, bins, xs):
+    """Per channel, a (1, E) batch is one unit (the cached step), others several (the
+    general path), and a changed unit count is an error on both."""
+    obs, twin = pair(name, QuantSpec("int8", layout, symmetric=symmetric),
                      non_finite=non_finite, bins=bins)
     feed(obs, twin, xs)
     try:
