@@ -125,7 +125,8 @@ def _takes_call(obs, x, base: type) -> bool:
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
     return (takes and type(x) in _REAL and x.is_cpu and x.layout == torch.strided
-            and (x.dtype == _F32 or hist_kernel.widens(x)) and obs.non_finite == "error" and obs.grid == "pow2"
+            and (x.dtype == _F32 or hist_kernel.widens(x))
+            and obs.non_finite == "error" and obs.grid == "pow2"
             and not obs.sync_every_step and obs.averaging_constant is None
             and not obs.skip_zeros and obs.cached_cpu_step and obs.accumulates
             and _STEPS.isdisjoint(obs.__dict__))
