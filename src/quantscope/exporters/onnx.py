@@ -60,7 +60,7 @@ from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import check_writable_target
-from .onnx_external import graph_bytes, read_graph, session_entries, write_model
+from .onnx_external import check_optimized, graph_bytes, read_graph, session_entries, write_model
 from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
 from .onnx_tensors import float32_graph, float32_model, unshared_codes
@@ -399,9 +399,12 @@ def session(path, threads: int | None = None, optimized_model_path: str | None =
     """An ``onnxruntime.InferenceSession`` on the CPU whose results equal quantscope's
     fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off). A model with external
     data is read only from files inside its folder (:func:`.onnx_external.read_graph`); its
-    optimized model, if saved, keeps its tensors in ``<optimized_model_path>.data``."""
+    optimized model, if saved, keeps its tensors in ``<optimized_model_path>.data``. What
+    ORT would write there may replace neither a file the session reads nor one quantscope
+    did not write (:func:`.onnx_external.check_optimized`: a ``ValueError`` naming it)."""
     ort = _onnx("onnxruntime")
     graph, folder = read_graph(path)  # each external tensor's location checked first
+    check_optimized(path, graph, folder, optimized_model_path)
     model = str(path) if int8_dot_product() else unshared_codes(path, graph)
     options = session_options(threads, optimized_model_path)
     session_entries(options, folder, model, optimized_model_path)

@@ -42,8 +42,8 @@ from .atomic import _name_max, _public_modes, _temp_prefix, atomic_file, written
 from .atomic_swap import _RENAME_NOREPLACE, _parent_lock, _renameat2
 from .onnx_tensors import check_float32_quantize
 
-__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "graph_bytes", "read_graph", "session_entries",
-           "write_model"]
+__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "check_optimized", "graph_bytes", "read_graph",
+           "session_entries", "write_model"]
 
 #: the smallest initializer (bytes) written to the data file; smaller ones (scales, zero
 #: points, biases of small layers) stay in the model, as onnx's ``size_threshold`` default
@@ -328,6 +328,60 @@ def session_entries(options, folder: str | None, model, optimized_model_path) ->
             str(SIZE_THRESHOLD))
 
 
+def check_optimized(path, proto, folder: str | None, optimized_model_path) -> None:
+    """Refuse an ``optimized_model_path`` where what ONNX Runtime writes there (the model,
+    and with external data ``<optimized name>.data``) would replace a file the session reads
+    (the model or one of its data files, by any path: a link, a hard link) or one quantscope
+    did not write. An existing file is replaced only where it is an earlier optimized model
+    (quantscope's metadata entry, which ORT keeps) or, for the ``.data`` file, the one such a
+    model at the optimized path names (its only location)."""
+    if optimized_model_path is None:
+        return
+    opt = os.path.abspath(os.fspath(optimized_model_path))
+    reads = [os.path.abspath(os.fspath(path))]
+    if folder is not None:
+        reads += [os.path.join(folder, _entries(t)["location"]) for t in _model_tensors(proto)
+                  if _external(t)]
+    writes = [opt, *([opt + ".data"] if folder is not None else [])]
+    for w in writes:
+        for r in reads:
+            if os.path.realpath(w) == os.path.realpath(r) or _samefile(w, r):
+                raise ValueError(f"optimized_model_path: ONNX Runtime would write {w!r}, "
+                                 f"which is {r!r}, a file this session reads: choose another "
+                                 f"path")
+        if os.path.lexists(w) and not _earlier_optimized(opt, w != opt):
+            raise ValueError(f"optimized_model_path: {w!r} exists and is not an earlier "
+                             f"optimized model of quantscope's (or its data file): ONNX "
+                             f"Runtime would replace it; move it away or choose another path")
+
+
+def _samefile(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _earlier_optimized(opt: str, data: bool) -> bool:
+    """Whether ``opt`` is a plain file with quantscope's metadata entry (an earlier optimized
+    model) and, with ``data``, ``<opt>.data`` a plain file that model names as its one
+    location."""
+    import onnx
+
+    paths = (opt, opt + ".data") if data else (opt,)
+    if any(os.path.islink(p) or not os.path.isfile(p) for p in paths) \
+            or not written_by_quantscope(opt):
+        return False
+    if not data:
+        return True
+    try:
+        proto = onnx.load(opt, load_external_data=False)
+    except Exception:  # noqa: BLE001 (not a model: not ours)
+        return False
+    return {_entries(t).get("location") for t in _model_tensors(proto) if _external(t)} == \
+        {os.path.basename(opt) + ".data"}
+
+
 def _external(tensor) -> bool:
     return tensor.HasField("data_location") and tensor.data_location == tensor.EXTERNAL
 
@@ -341,6 +395,11 @@ def _initializers(graph):
     yield from graph.initializer
     for sub in _subgraphs(graph):
         yield from _initializers(sub)
+
+
+def _model_tensors(proto):
+    """Every tensor ``proto`` (a ModelProto) holds (:func:`_tensors` of its graph)."""
+    yield from _tensors(proto.graph)
 
 
 def _tensors(graph):

