@@ -82,3 +82,34 @@ def test_the_optimized_model_replaces_no_file_it_did_not_write(tmp_path, made, e
     for _ in range(2):
         got = _run(path, x, optimized_model_path=tmp_path / "opt.onnx")
     assert np.array_equal(got, _run(tmp_path / "opt.onnx", x))
+
+
+def test_an_export_through_a_link_to_another_folder_is_refused(tmp_path, made):
+    """ORT and onnx read the data relative to the folder of the path opened (the link's);
+    the data file goes beside the link's target: a pair the returned path could not open."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").mkdir()
+    os.symlink(tmp_path / "real" / "m.onnx", tmp_path / "out" / "latest.onnx")
+    with pytest.raises(ValueError, match="symbolic link to .*in another folder"):
+        _export(made, tmp_path / "out" / "latest.onnx", external_data=True)
+    assert os.listdir(tmp_path / "real") == [] and os.listdir(tmp_path / "out") == ["latest.onnx"]
+    # a link in the model's own folder (or under a linked folder) opens: the pair is there
+    os.symlink("m.onnx", tmp_path / "real" / "latest.onnx")
+    os.symlink(tmp_path / "real", tmp_path / "linked")
+    for link in (tmp_path / "real" / "latest.onnx", tmp_path / "linked" / "latest.onnx"):
+        path = _export(made, link, external_data=True, overwrite=True)
+        assert _run(path, made[2]).shape == (3, 32) and onnx.load(path) is not None
+        assert os.path.islink(link)
+
+
+def test_a_data_name_past_the_limit_is_refused_before_the_trace(tmp_path, made, monkeypatch):
+    def trace(*a, **k):
+        raise AssertionError("traced")
+
+    monkeypatch.setattr(qonnx, "_export_float", trace)
+    name = "m" * 240 + ".onnx"  # a legal name; its data file's would be 267 bytes
+    with pytest.raises(ValueError, match="data file's name would be 267 bytes"):
+        _export(made, tmp_path / name, external_data=True)
+    with pytest.raises(AssertionError, match="traced"):  # one file: the name is legal
+        _export(made, tmp_path / name)
+    assert os.listdir(tmp_path) == []

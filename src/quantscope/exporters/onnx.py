@@ -60,7 +60,8 @@ from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import check_writable_target
-from .onnx_external import check_optimized, graph_bytes, read_graph, session_entries, write_model
+from .onnx_external import (check_external_target, check_optimized, graph_bytes, read_graph,
+                            session_entries, write_model)
 from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
 from .onnx_tensors import float32_graph, float32_model, unshared_codes
@@ -233,6 +234,8 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     # the model's folder is an input; overwrite replaces only an ONNX file quantscope wrote
     inputs = _model_folders(calibration, model)
     path = check_writable_target(path, overwrite=overwrite, kind="file", inputs=inputs)
+    if external_data:  # (None: known after the trace, then checked by write_model)
+        check_external_target(path)
     states = calibration.states
     given, (model, example_inputs) = model, float32_model(model, example_inputs)
     proto = _export_float(model, example_inputs, opset, states)

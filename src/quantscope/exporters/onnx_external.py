@@ -42,8 +42,8 @@ from .atomic import _name_max, _public_modes, _temp_prefix, atomic_file, written
 from .atomic_swap import _RENAME_NOREPLACE, _parent_lock, _renameat2
 from .onnx_tensors import check_float32_quantize
 
-__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "check_optimized", "graph_bytes", "read_graph",
-           "session_entries", "write_model"]
+__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "check_external_target", "check_optimized",
+           "graph_bytes", "read_graph", "session_entries", "write_model"]
 
 #: the smallest initializer (bytes) written to the data file; smaller ones (scales, zero
 #: points, biases of small layers) stay in the model, as onnx's ``size_threshold`` default
@@ -91,13 +91,41 @@ def _raw_size(tensor) -> int | None:
     return None if bits is None else (math.prod(tensor.dims) * bits + 7) // 8
 
 
+def check_external_target(path) -> str:
+    """Refuse an output ``path`` (checked by :func:`~.atomic.check_writable_target`) that
+    cannot hold a model with external data, before the trace where the caller knows it
+    will: a data file's name past the file system's limit, or a symbolic link to a file in
+    another folder (ONNX Runtime and onnx read the data relative to the folder of the path
+    they are given, the link's; the data file lies beside the file written, the link's
+    target). Returns the file written (the link's target)."""
+    path = os.path.abspath(os.fspath(path))
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    folder, name = os.path.split(target)
+    if target != path and os.path.realpath(os.path.dirname(path)) != os.path.realpath(folder):
+        raise ValueError(f"onnx export: {path!r} is a symbolic link to {target!r}, in another "
+                         f"folder: a model with external data is read with its data file from "
+                         f"the folder of the path opened, and the data file goes beside "
+                         f"{target!r}; export to {target!r} itself, or link the folder")
+    size = len(os.fsencode(name)) + _DIGITS + 6  # ".<digits>.data"
+    probe = folder
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if size > _name_max(probe):
+        raise ValueError(f"onnx export: {target!r}: its data file's name would be {size} bytes "
+                         f"long ({name}.<{_DIGITS} hex digits>.data); the file system takes "
+                         f"names of at most {_name_max(probe)} bytes: choose a shorter name")
+    return target
+
+
 def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -> None:
     """Write ``proto`` at ``path`` (through :func:`~.atomic.atomic_file`): one file, as
     ``onnx.save`` writes it (checked before anything is written), or with ``external`` its
     tensors in a data file (module doc; checked on the written files, before the swap); the
     data file of the export replaced, if any, deleted after the swap."""
     target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
-    if not external:
+    if external:
+        check_external_target(path)
+    else:
         onnx.checker.check_model(proto)
         check_float32_quantize(proto)  # what the checker passes and ORT refuses (issue 37)
     old = _old_data(target, onnx)
@@ -116,11 +144,6 @@ def _save_external(onnx, proto, tmp: str, target: str) -> str:
     """``proto`` at ``tmp`` with its tensors in a data file beside it (module doc); returns
     the data file's name. On any failure nothing this wrote is left."""
     folder, name = os.path.split(target)
-    size = len(os.fsencode(name)) + _DIGITS + 6  # ".<digits>.data"
-    if size > _name_max(folder):
-        raise ValueError(f"onnx export: {target!r}: its data file's name would be {size} bytes "
-                         f"long ({name}.<{_DIGITS} hex digits>.data); the file system takes "
-                         f"names of at most {_name_max(folder)} bytes: choose a shorter name")
     fd, data_tmp = tempfile.mkstemp(prefix=_temp_prefix(target + ".data"), suffix=".tmp",
                                     dir=folder)
     created = None
