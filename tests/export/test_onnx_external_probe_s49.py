@@ -113,3 +113,82 @@ def test_a_data_name_past_the_limit_is_refused_before_the_trace(tmp_path, made, 
     with pytest.raises(AssertionError, match="traced"):  # one file: the name is legal
         _export(made, tmp_path / name)
     assert os.listdir(tmp_path) == []
+
+
+def _external_tensor(entries):
+    from onnx import TensorProto, helper
+
+    t = helper.make_tensor("w", TensorProto.FLOAT, [4], b"\0" * 16, raw=True)
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in entries:
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    return t
+
+
+def _with_function(folder, entries):
+    """A model calling a model-local function whose Constant holds an external tensor."""
+    from onnx import TensorProto, helper
+
+    const = helper.make_node("Constant", [], ["c"], value=_external_tensor(entries))
+    fn = helper.make_function("local", "F", ["x"], ["y"],
+                              [const, helper.make_node("Add", ["x", "c"], ["y"])],
+                              [helper.make_opsetid("", 21)])
+    graph = helper.make_graph(
+        [helper.make_node("F", ["x"], ["y"], domain="local")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, functions=[fn], opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("local", 1)])
+    path = folder / "crafted.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def _in_graph(folder, entries):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [_external_tensor(entries)])
+    path = folder / "crafted.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 21)]).SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("case", ["function_up", "function_absolute", "repeated_location",
+                                  "repeated_offset_key", "underscore", "space", "sign",
+                                  "arabic_indic", "ok", "function_ok"])
+def test_the_location_check_walks_functions_and_parses_strictly(tmp_path, monkeypatch, case):
+    from quantscope.exporters.onnx_external import read_graph
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(secret.read_bytes())
+    ok = [("location", "w.bin"), ("offset", "0"), ("length", "16")]
+    entries = {"function_up": [("location", "../secret.bin")],
+               "function_absolute": [("location", str(secret))],
+               "repeated_location": [("location", "../secret.bin"), ("location", "w.bin")],
+               "repeated_offset_key": [*ok, ("length", "16")],
+               "underscore": [("location", "w.bin"), ("offset", "0_0")],
+               "space": [("location", "w.bin"), ("offset", " 0")],
+               "sign": [("location", "w.bin"), ("offset", "+0")],
+               "arabic_indic": [("location", "w.bin"), ("length", "\u0661\u0666")],
+               "ok": ok, "function_ok": ok}[case]
+    path = (_with_function if case.startswith("function") else _in_graph)(folder, entries)
+    if case.endswith("ok"):
+        assert read_graph(path)[1] == str(folder)
+        return
+    with pytest.raises(ValueError, match=r"tensor 'w' has its data in .*, which "):
+        read_graph(path)
+    opened = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append(a))
+    with pytest.raises(ValueError, match="quantscope reads external data only"):
+        qonnx.session(path)
+    assert opened == []

@@ -20,7 +20,9 @@ file. Once the new model is in place, the data file of the export it replaced (o
 ``<model name>.<16 hex digits>.data`` in its folder, a plain file) is deleted.
 
 Reading (:func:`read_graph`): the model's graph without its data, each external tensor's
-``location`` checked before anything reads it: a relative path inside the model's folder
+``location`` (in the graph, its subgraphs, node attributes, sparse tensors, model-local
+functions and training graphs) checked before anything reads it: no key named twice, ``offset``
+and ``length`` ASCII digits only, a relative path inside the model's folder
 (no absolute path, drive, ``..``), not a symbolic link, nor under one leading out of the
 folder, a regular file (not a FIFO or a device), ``offset + length`` within it. onnx
 (>= 1.16) and ONNX Runtime (1.32) refuse most of this themselves; quantscope does not rely on
@@ -54,6 +56,7 @@ ALIGNMENT = 65536
 _ALIGN_FROM = 1 << 20
 _DIGITS = 16  # hex digits of the data's SHA-256 in its file name
 _CHUNK = 1 << 24
+_DIGITS_ONLY = re.compile(r"[0-9]+")
 
 
 #: bits per element of the ONNX types a ``raw_data`` tensor holds (by TensorProto name)
@@ -251,7 +254,7 @@ def _old_data(target: str, onnx) -> str | None:
     except Exception:  # noqa: BLE001 (not readable now: nothing of it to delete)
         return None
     folder, name = os.path.split(target)
-    locations = {_entries(t).get("location") for t in _tensors(proto.graph) if _external(t)}
+    locations = {_entries(t).get("location") for t in _model_tensors(proto) if _external(t)}
     own = re.compile(re.escape(name) + rf"\.[0-9a-f]{{{_DIGITS}}}\.data")
     if len(locations) != 1 or not own.fullmatch(next(iter(locations)) or ""):
         return None
@@ -272,7 +275,7 @@ def read_graph(path):
         return None, None
     proto = onnx.load(path, load_external_data=False)
     folder = os.path.dirname(os.path.abspath(path))
-    external = [t for t in _tensors(proto.graph) if _external(t)]
+    external = [t for t in _model_tensors(proto) if _external(t)]
     for tensor in external:
         _check_location(tensor, folder, path)
     return proto, (folder if external else None)
@@ -293,14 +296,16 @@ def _names_a_location(path: str) -> bool:
 def _check_location(tensor, folder: str, path: str) -> None:
     entries = _entries(tensor)
     where = entries.get("location", "")
-    bad = _bad_location(where, folder)
+    keys = [e.key for e in tensor.external_data]
+    bad = f"is named with a repeated key ({keys})" if len(set(keys)) < len(keys) else \
+        _bad_location(where, folder)
     if bad is None:
         size = os.stat(os.path.join(folder, where)).st_size
-        try:
-            offset, length = int(entries.get("offset", 0)), entries.get("length")
-            length = size - offset if length is None else int(length)
-        except ValueError:
-            offset, length = -1, 0
+        given = entries.get("offset", "0"), entries.get("length", str(size))
+        # ASCII digits only: int() also takes "0_0", " 0", "+0" and other scripts' digits
+        offset, length = (int(v) if _DIGITS_ONLY.fullmatch(v) else -1 for v in given)
+        if "length" not in entries and offset >= 0:
+            length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             bad = (f"offset {entries.get('offset')} and length {entries.get('length')} lie "
                    f"outside its {size} bytes")
@@ -421,8 +426,14 @@ def _initializers(graph):
 
 
 def _model_tensors(proto):
-    """Every tensor ``proto`` (a ModelProto) holds (:func:`_tensors` of its graph)."""
+    """Every tensor ``proto`` (a ModelProto) holds: its graph's, those of its model-local
+    functions' nodes (ORT inlines them) and of its training graphs."""
     yield from _tensors(proto.graph)
+    for function in proto.functions:
+        yield from _node_tensors(function.node)
+    for info in proto.training_info:
+        yield from _tensors(info.initialization)
+        yield from _tensors(info.algorithm)
 
 
 def _tensors(graph):
@@ -431,7 +442,12 @@ def _tensors(graph):
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
         yield from (sparse.values, sparse.indices)
-    for node in graph.node:
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes):
+    """The tensors of ``nodes``' attributes, and of the graphs they hold."""
+    for node in nodes:
         for a in node.attribute:
             if a.HasField("t"):
                 yield a.t
@@ -439,8 +455,8 @@ def _tensors(graph):
             for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
                            *a.sparse_tensors):
                 yield from (sparse.values, sparse.indices)
-    for sub in _subgraphs(graph):
-        yield from _tensors(sub)
+            for sub in (*([a.g] if a.HasField("g") else []), *a.graphs):
+                yield from _tensors(sub)
 
 
 def _subgraphs(graph):
