@@ -31,14 +31,18 @@ class _Twice(nn.Module):
         return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
 
 
-@pytest.fixture(scope="module")
-def made():
-    torch.manual_seed(0)
+def _make(seed):
+    torch.manual_seed(seed)
     model = _Twice().eval()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
                       progress=False)
     return model, calib, torch.randn(3, 64, generator=g)
+
+
+@pytest.fixture(scope="module")
+def made():
+    return _make(0)
 
 
 def _export(made, path, **kw):
@@ -192,3 +196,25 @@ def test_the_location_check_walks_functions_and_parses_strictly(tmp_path, monkey
     with pytest.raises(ValueError, match="quantscope reads external data only"):
         qonnx.session(path)
     assert opened == []
+
+
+def test_a_failed_swap_removes_the_data_file_it_made(tmp_path, made, monkeypatch):
+    from quantscope.exporters import atomic
+
+    path = _export(made, tmp_path / "m.onnx", external_data=True)
+    old = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    real = os.replace
+
+    def swap(src, dst):
+        if os.fspath(dst) == str(path):
+            raise OSError("swap failed")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", swap)
+    with pytest.raises(OSError, match="swap failed"):  # another model: another data file
+        _export(_make(1), path, external_data=True, overwrite=True)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == old
+    # an identical export reuses the data file: a failed swap keeps it
+    with pytest.raises(OSError, match="swap failed"):
+        _export(made, path, external_data=True, overwrite=True)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == old

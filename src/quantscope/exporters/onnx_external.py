@@ -13,7 +13,8 @@ never point at a data file other than the one written with it: the data file is 
 under a temporary name, renamed to its own name without replacing anything (``renameat2``'s
 ``RENAME_NOREPLACE``; else under the parent's lock), then the model is swapped in atomically
 (:func:`~.atomic.atomic_file`). A crash before the swap leaves the previous model and its
-data as they were (and at most an unreferenced new data file); after it, the new pair. A
+data as they were (and at most an unreferenced new data file; a raise, the swap's included,
+removes the data file the export made); after it, the new pair. A
 file already at the data file's name is reused where its bytes are the same (an identical
 re-export), and otherwise refused, ``overwrite`` or not: quantscope never replaces a data
 file. Once the new model is in place, the data file of the export it replaced (one named
@@ -132,20 +133,27 @@ def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -
         onnx.checker.check_model(proto)
         check_float32_quantize(proto)  # what the checker passes and ORT refuses (issue 37)
     old = _old_data(target, onnx)
-    new = None
-    with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
-        if external:
-            new = _save_external(onnx, proto, tmp, target)
-        else:
-            onnx.save(proto, tmp)
+    new = created = None
+    try:
+        with atomic_file(path, overwrite=overwrite, kind="file", inputs=inputs) as tmp:
+            if external:
+                new, created = _save_external(onnx, proto, tmp, target)
+            else:
+                onnx.save(proto, tmp)
+    except BaseException:  # the swap failed: the data file this export made is no one's
+        if created is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(created)
+        raise
     if old is not None and os.path.basename(old) != new:
         with contextlib.suppress(FileNotFoundError):
             os.remove(old)
 
 
-def _save_external(onnx, proto, tmp: str, target: str) -> str:
+def _save_external(onnx, proto, tmp: str, target: str) -> tuple[str, str | None]:
     """``proto`` at ``tmp`` with its tensors in a data file beside it (module doc); returns
-    the data file's name. On any failure nothing this wrote is left."""
+    the data file's name and its path where this made it (None: an identical file reused).
+    On any failure nothing this wrote is left."""
     folder, name = os.path.split(target)
     fd, data_tmp = tempfile.mkstemp(prefix=_temp_prefix(target + ".data"), suffix=".tmp",
                                     dir=folder)
@@ -172,7 +180,7 @@ def _save_external(onnx, proto, tmp: str, target: str) -> str:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(left)
         raise
-    return location
+    return location, created
 
 
 def _write_data(proto, f):
