@@ -60,8 +60,14 @@ from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import check_writable_target
-from .onnx_external import (check_external_target, check_optimized, graph_bytes, read_graph,
-                            session_entries, write_model)
+from .onnx_external import (
+    check_external_target,
+    check_optimized,
+    graph_bytes,
+    read_graph,
+    session_entries,
+    write_model,
+)
 from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
 from .onnx_tensors import float32_graph, float32_model, unshared_codes
@@ -242,7 +248,7 @@ def export_onnx(calibration, model, path, *, example_inputs=None, opset: int = 2
     if model is not given:  # a bf16 / fp16 model made float32: its forward's casts too
         float32_graph(proto.graph)
     insert_qdq(onnx, proto.graph, model, states, uint8, opset)
-    nbytes = graph_bytes(proto.graph)  # (the whole proto's ByteSize() fails past the limit)
+    nbytes = graph_bytes(proto)  # (the whole proto's ByteSize() fails past the limit)
     external = nbytes > PROTOBUF_LIMIT if external_data is None else external_data
     if not external:
         _check_size(nbytes, "in the graph")

@@ -69,19 +69,39 @@ _BITS = {**dict.fromkeys(("INT4", "UINT4", "FLOAT4E2M1"), 4),
          **dict.fromkeys(("DOUBLE", "INT64", "UINT64", "COMPLEX64"), 64), "COMPLEX128": 128}
 
 
-def graph_bytes(graph) -> int:
-    """What ``graph``'s initializers and nodes take serialized, near enough to tell
-    protobuf's 2 GiB limit (an upper bound): a ``raw_data`` tensor as its element count times
-    its type's size plus a bound on its other fields, never serialized (upb's
-    ``ByteSize()`` serializes the message: a transient copy of the largest tensor, 1.1 GB of
-    a 2.2 GB model's peak); other tensors and the nodes by ``ByteSize()``."""
-    total = 0
+def graph_bytes(model) -> int:
+    """An upper bound of ``model`` (a ModelProto) serialized, to tell protobuf's 2 GiB
+    limit: a ``raw_data`` tensor of the graph as its element count times its type's size
+    plus its other fields, never serialized (upb's ``ByteSize()`` serializes the message: a
+    transient copy of the largest tensor, 1.1 GB of a 2.2 GB model's peak); every other field
+    (nodes, value_info, functions, metadata, opset imports, doc strings) by ``ByteSize()``
+    or its length, each with 12 bytes for its tag and length."""
+    graph = model.graph
+    total = _fields_bound(model, skip="graph") + _fields_bound(graph, skip="initializer") + 12
     for t in graph.initializer:
         size = _raw_size(t)
-        # (its name, dims, type and tags, at most: a bound, as the data is exact)
-        total += t.ByteSize() if size is None else \
-            size + len(t.name.encode()) + 11 * len(t.dims) + 32
-    return total + sum(n.ByteSize() for n in graph.node)
+        total += 12 + (t.ByteSize() if size is None else
+                       size + 12 + _fields_bound(t, skip="raw_data"))
+    return total
+
+
+def _fields_bound(message, skip: str) -> int:
+    """An upper bound of ``message``'s fields but ``skip`` serialized (12 bytes a value for
+    its tag and its length or varint, more than either takes)."""
+    total = 0
+    for field in message.DESCRIPTOR.fields:
+        if field.name == skip:
+            continue
+        value = getattr(message, field.name)
+        if not field.is_repeated:
+            if not message.HasField(field.name):
+                continue
+            value = (value,)
+        for v in value:
+            total += 12 + (v.ByteSize() if field.message_type is not None else
+                           len(v.encode()) if isinstance(v, str) else
+                           len(v) if isinstance(v, bytes) else 0)
+    return total
 
 
 def _raw_size(tensor) -> int | None:
