@@ -133,9 +133,24 @@ def test_a_file_at_the_data_files_name_is_never_replaced(tmp_path, made):
     out = tmp_path / "out"
     out.mkdir()
     (out / name).write_bytes(b"someone else's weights")
-    with pytest.raises(ValueError, match="is not this export's data file"):
+    with pytest.raises(ValueError, match=r"exists \(a file of other bytes\), not this export's "
+                                         r"data file"):
         _export(made, out / "m.onnx", external_data=True)
     assert os.listdir(out) == [name] and (out / name).read_bytes() == b"someone else's weights"
+
+
+@pytest.mark.parametrize("kind", ["a folder", "a FIFO", "a symbolic link"])
+def test_the_refusal_names_what_is_at_the_data_files_name(tmp_path, made, kind):
+    _export(made, tmp_path / "probe" / "m.onnx", external_data=True)
+    name = next(n for n in os.listdir(tmp_path / "probe") if DATA.fullmatch(n))
+    out = tmp_path / "out"
+    out.mkdir()
+    make = {"a folder": os.mkdir, "a FIFO": os.mkfifo,
+            "a symbolic link": lambda p: os.symlink(tmp_path / "probe" / name, p)}[kind]
+    make(out / name)  # (the link: to this export's own bytes, still never replaced)
+    with pytest.raises(ValueError, match=rf"exists \({kind}\), not this export's data file"):
+        _export(made, out / "m.onnx", external_data=True)
+    assert os.listdir(out) == [name]
 
 
 def test_a_failed_write_leaves_the_previous_pair_whole(tmp_path, made, monkeypatch):

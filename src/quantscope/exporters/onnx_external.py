@@ -250,11 +250,23 @@ def _place(tmp: str, final: str, digest: str) -> str | None:
         return final
     except FileExistsError:
         if not _same_bytes(final, digest):
-            raise ValueError(f"onnx export: {final!r} exists and is not this export's data "
-                             f"file (other bytes): quantscope never replaces a data file; "
+            raise ValueError(f"onnx export: {final!r} exists ({_what_is(final)}), not this "
+                             f"export's data file: quantscope never replaces a data file; "
                              f"move it away or choose another output") from None
     os.remove(tmp)
     return None
+
+
+def _what_is(path: str) -> str:
+    """What is at ``path``, for :func:`_place`'s refusal: a file of other bytes, a folder ..."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "unreadable"
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISREG, "a file of other bytes"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def _same_bytes(path: str, digest: str) -> bool:
