@@ -294,7 +294,7 @@ def test_the_rewrite_refuses_a_weight_held_as_external_data(tmp_path, made, monk
 
 
 def test_a_model_that_names_no_location_is_not_parsed_for_the_check(tmp_path, made):
-    from quantscope.exporters.onnx_external import read_graph
+    from quantscope.exporters.onnx_locations import read_graph
 
     path = _export(made, tmp_path / "m.onnx")
     assert read_graph(path) == (None, None)

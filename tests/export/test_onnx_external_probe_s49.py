@@ -168,7 +168,7 @@ def _in_graph(folder, entries):
                                   "repeated_offset_key", "underscore", "space", "sign",
                                   "arabic_indic", "ok", "function_ok"])
 def test_the_location_check_walks_functions_and_parses_strictly(tmp_path, monkeypatch, case):
-    from quantscope.exporters.onnx_external import read_graph
+    from quantscope.exporters.onnx_locations import read_graph
 
     secret = tmp_path / "secret.bin"
     secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())

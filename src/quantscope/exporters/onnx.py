@@ -60,16 +60,10 @@ from ..calibration.structure.moe import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import check_writable_target
-from .onnx_external import (
-    check_external_target,
-    check_optimized,
-    graph_bytes,
-    read_graph,
-    session_entries,
-    write_model,
-)
+from .onnx_external import check_external_target, graph_bytes, session_entries, write_model
 from .onnx_graph import check_spec, insert_qdq, opset_error, outside_reads
 from .onnx_graph import storage as _storage
+from .onnx_locations import check_optimized, read_graph
 from .onnx_tensors import float32_graph, float32_model, unshared_codes
 from .onnx_trace import NoCache, exporter_errors, optimize, warn_specialized
 from .registry import register
@@ -407,10 +401,10 @@ def int8_dot_product(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def session(path, threads: int | None = None, optimized_model_path: str | None = None):
     """An ``onnxruntime.InferenceSession`` on the CPU whose results equal quantscope's
     fake-quant to float rounding (:data:`DISABLED_OPTIMIZERS` off). A model with external
-    data is read only from files inside its folder (:func:`.onnx_external.read_graph`); its
+    data is read only from files inside its folder (:func:`.onnx_locations.read_graph`); its
     optimized model, if saved, keeps its tensors in ``<optimized_model_path>.data``. What
     ORT would write there may replace neither a file the session reads nor one quantscope
-    did not write (:func:`.onnx_external.check_optimized`: a ``ValueError`` naming it)."""
+    did not write (:func:`.onnx_locations.check_optimized`: a ``ValueError`` naming it)."""
     ort = _onnx("onnxruntime")
     graph, folder = read_graph(path)  # each external tensor's location checked first
     check_optimized(path, graph, folder, optimized_model_path)

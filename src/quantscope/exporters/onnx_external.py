@@ -1,7 +1,6 @@
 """ONNX external data: the tensors of an export over protobuf's 2 GiB in a data file beside
 the model (the ONNX spec's external data, as ``onnx.save_model(save_as_external_data=True)``
-and torch.onnx write it), and the check every quantscope reader of an ONNX file makes of
-where a model says its tensors lie.
+and torch.onnx write it).
 
 Writing (:func:`write_model`). Every initializer of :data:`SIZE_THRESHOLD` bytes or more goes
 to one data file, in graph order (those of 1 MiB or more at offsets aligned to
@@ -19,15 +18,7 @@ file already at the data file's name is reused where its bytes are the same (an 
 re-export), and otherwise refused, ``overwrite`` or not: quantscope never replaces a data
 file. Once the new model is in place, the data file of the export it replaced (one named
 ``<model name>.<16 hex digits>.data`` in its folder, a plain file) is deleted.
-
-Reading (:func:`read_graph`): the model's graph without its data, each external tensor's
-``location`` (in the graph, its subgraphs, node attributes, sparse tensors, model-local
-functions and training graphs) checked before anything reads it: no key named twice, ``offset``
-and ``length`` ASCII digits only, a relative path inside the model's folder
-(no absolute path, drive, ``..``), not a symbolic link, nor under one leading out of the
-folder, a regular file (not a FIFO or a device), ``offset + length`` within it. onnx
-(>= 1.16) and ONNX Runtime (1.32) refuse most of this themselves; quantscope does not rely on
-their versions.
+The readers' location checks: :mod:`.onnx_locations`.
 """
 
 from __future__ import annotations
@@ -35,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import ntpath
 import os
 import re
 import stat
@@ -43,10 +33,11 @@ import tempfile
 
 from .atomic import _name_max, _public_modes, _temp_prefix, atomic_file, written_by_quantscope
 from .atomic_swap import _RENAME_NOREPLACE, _parent_lock, _renameat2
+from .onnx_locations import _entries, _external, _initializers, _model_tensors, _names_a_location
 from .onnx_tensors import check_float32_quantize
 
-__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "check_external_target", "check_optimized",
-           "graph_bytes", "read_graph", "session_entries", "write_model"]
+__all__ = ["ALIGNMENT", "SIZE_THRESHOLD", "check_external_target", "graph_bytes",
+           "session_entries", "write_model"]
 
 #: the smallest initializer (bytes) written to the data file; smaller ones (scales, zero
 #: points, biases of small layers) stay in the model, as onnx's ``size_threshold`` default
@@ -57,7 +48,6 @@ ALIGNMENT = 65536
 _ALIGN_FROM = 1 << 20
 _DIGITS = 16  # hex digits of the data's SHA-256 in its file name
 _CHUNK = 1 << 24
-_DIGITS_ONLY = re.compile(r"[0-9]+")
 
 
 #: bits per element of the ONNX types a ``raw_data`` tensor holds (by TensorProto name)
@@ -302,81 +292,6 @@ def _old_data(target: str, onnx) -> str | None:
     return old if os.path.isfile(old) and not os.path.islink(old) else None
 
 
-def read_graph(path):
-    """``(proto, folder)``: the ONNX model at ``path`` without its external data, every
-    external tensor's location checked (module doc); ``folder``, where its data files lie,
-    is None for a model without external data. A file in which the bytes ``location`` (the
-    key every external tensor names its file by) occur nowhere is not parsed: ``(None,
-    None)`` (parsing a 100 MB model took 0.2 s, twice ONNX Runtime's own load)."""
-    import onnx
-
-    path = os.fspath(path)
-    if not _names_a_location(path):
-        return None, None
-    proto = onnx.load(path, load_external_data=False)
-    folder = os.path.dirname(os.path.abspath(path))
-    external = [t for t in _model_tensors(proto) if _external(t)]
-    for tensor in external:
-        _check_location(tensor, folder, path)
-    return proto, (folder if external else None)
-
-
-def _names_a_location(path: str) -> bool:
-    """Whether the bytes ``location`` occur in the file (a tensor's bytes may hold them too:
-    then the graph is parsed, no more)."""
-    import mmap
-
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return False
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(b"location") >= 0
-
-
-def _check_location(tensor, folder: str, path: str) -> None:
-    entries = _entries(tensor)
-    where = entries.get("location", "")
-    keys = [e.key for e in tensor.external_data]
-    bad = f"is named with a repeated key ({keys})" if len(set(keys)) < len(keys) else \
-        _bad_location(where, folder)
-    if bad is None:
-        size = os.stat(os.path.join(folder, where)).st_size
-        given = entries.get("offset", "0"), entries.get("length", str(size))
-        # ASCII digits only: int() also takes "0_0", " 0", "+0" and other scripts' digits
-        offset, length = (int(v) if _DIGITS_ONLY.fullmatch(v) else -1 for v in given)
-        if "length" not in entries and offset >= 0:
-            length = size - offset
-        if offset < 0 or length < 0 or offset + length > size:
-            bad = (f"offset {entries.get('offset')} and length {entries.get('length')} lie "
-                   f"outside its {size} bytes")
-    if bad is not None:
-        raise ValueError(f"onnx model {path!r}: tensor {tensor.name!r} has its data in "
-                         f"{where!r}, which {bad}; quantscope reads external data only from "
-                         f"a file inside the model's folder, named by a relative path")
-
-
-def _bad_location(where: str, folder: str) -> str | None:
-    """Why ``where`` (a tensor's location) may not be read, or None."""
-    parts = where.replace("\\", "/").split("/")
-    if not where or "\0" in where or os.path.isabs(where) or ntpath.isabs(where) \
-            or ntpath.splitdrive(where)[0]:
-        return "is not a relative path"
-    if ".." in parts:
-        return "leads out of the model's folder (..)"
-    full = os.path.join(folder, where)
-    real, home = os.path.realpath(full), os.path.realpath(folder)
-    if os.path.islink(full):
-        return "is a symbolic link"
-    if os.path.commonpath([real, home]) != home:
-        return "lies outside the model's folder (through a symbolic link)"
-    try:
-        if not stat.S_ISREG(os.stat(full).st_mode):
-            return "is not a regular file"
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    return None
-
-
 def session_entries(options, folder: str | None, model, optimized_model_path) -> None:
     """The ONNX Runtime session entries a model with external data in ``folder`` needs:
     where its data lies when the session gets the model's bytes (``model`` not a path), and
@@ -394,114 +309,3 @@ def session_entries(options, folder: str | None, model, optimized_model_path) ->
         options.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes",
             str(SIZE_THRESHOLD))
-
-
-def check_optimized(path, proto, folder: str | None, optimized_model_path) -> None:
-    """Refuse an ``optimized_model_path`` where what ONNX Runtime writes there (the model,
-    and with external data ``<optimized name>.data``) would replace a file the session reads
-    (the model or one of its data files, by any path: a link, a hard link) or one quantscope
-    did not write. An existing file is replaced only where it is an earlier optimized model
-    (quantscope's metadata entry, which ORT keeps) or, for the ``.data`` file, the one such a
-    model at the optimized path names (its only location)."""
-    if optimized_model_path is None:
-        return
-    opt = os.path.abspath(os.fspath(optimized_model_path))
-    reads = [os.path.abspath(os.fspath(path))]
-    if folder is not None:
-        reads += [os.path.join(folder, _entries(t)["location"]) for t in _model_tensors(proto)
-                  if _external(t)]
-    writes = [opt, *([opt + ".data"] if folder is not None else [])]
-    for w in writes:
-        for r in reads:
-            if os.path.realpath(w) == os.path.realpath(r) or _samefile(w, r):
-                raise ValueError(f"optimized_model_path: ONNX Runtime would write {w!r}, "
-                                 f"which is {r!r}, a file this session reads: choose another "
-                                 f"path")
-        if os.path.lexists(w) and not _earlier_optimized(opt, w != opt):
-            raise ValueError(f"optimized_model_path: {w!r} exists and is not an earlier "
-                             f"optimized model of quantscope's (or its data file): ONNX "
-                             f"Runtime would replace it; move it away or choose another path")
-
-
-def _samefile(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _earlier_optimized(opt: str, data: bool) -> bool:
-    """Whether ``opt`` is a plain file with quantscope's metadata entry (an earlier optimized
-    model) and, with ``data``, ``<opt>.data`` a plain file that model names as its one
-    location."""
-    import onnx
-
-    paths = (opt, opt + ".data") if data else (opt,)
-    if any(os.path.islink(p) or not os.path.isfile(p) for p in paths) \
-            or not written_by_quantscope(opt):
-        return False
-    if not data:
-        return True
-    try:
-        proto = onnx.load(opt, load_external_data=False)
-    except Exception:  # noqa: BLE001 (not a model: not ours)
-        return False
-    return {_entries(t).get("location") for t in _model_tensors(proto) if _external(t)} == \
-        {os.path.basename(opt) + ".data"}
-
-
-def _external(tensor) -> bool:
-    return tensor.HasField("data_location") and tensor.data_location == tensor.EXTERNAL
-
-
-def _entries(tensor) -> dict[str, str]:
-    return {e.key: e.value for e in tensor.external_data}
-
-
-def _initializers(graph):
-    """The initializers of ``graph`` and of its subgraphs (an If's, a Loop's branches)."""
-    yield from graph.initializer
-    for sub in _subgraphs(graph):
-        yield from _initializers(sub)
-
-
-def _model_tensors(proto):
-    """Every tensor ``proto`` (a ModelProto) holds: its graph's, those of its model-local
-    functions' nodes (ORT inlines them) and of its training graphs."""
-    yield from _tensors(proto.graph)
-    for function in proto.functions:
-        yield from _node_tensors(function.node)
-    for info in proto.training_info:
-        yield from _tensors(info.initialization)
-        yield from _tensors(info.algorithm)
-
-
-def _tensors(graph):
-    """Every tensor ``graph`` holds: initializers (dense and sparse), node attributes, and
-    those of its subgraphs."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield from (sparse.values, sparse.indices)
-    yield from _node_tensors(graph.node)
-
-
-def _node_tensors(nodes):
-    """The tensors of ``nodes``' attributes, and of the graphs they hold."""
-    for node in nodes:
-        for a in node.attribute:
-            if a.HasField("t"):
-                yield a.t
-            yield from a.tensors
-            for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
-                           *a.sparse_tensors):
-                yield from (sparse.values, sparse.indices)
-            for sub in (*([a.g] if a.HasField("g") else []), *a.graphs):
-                yield from _tensors(sub)
-
-
-def _subgraphs(graph):
-    for node in graph.node:
-        for a in node.attribute:
-            if a.HasField("g"):
-                yield a.g
-            yield from a.graphs
