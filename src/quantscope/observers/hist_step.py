@@ -27,6 +27,7 @@ from torch.autograd.graph import increment_version
 from .. import kernels
 from ..stats import hist_kernel
 from .base import tokens_of
+from .minmax_step import MAX_PLANS, cached_plan
 
 __all__ = ["CACHES", "MAX_PLANS", "cpu_step"]
 
@@ -38,8 +39,6 @@ _STEPS = frozenset((
     "_store", "_drop_zeros", "_interval_batch", "count_batch", "set_shape",
     "units_in_input_dtype", "unpads", "needs_units"))
 _classes: dict[type, bool] = {}
-#: plans kept per observer (keys seen); past it the cache starts over
-MAX_PLANS = 16
 #: the observer attributes :func:`cpu_step` caches in; never copied or pickled
 CACHES = ("_hist_plans", "_hist_scratch")
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
@@ -69,22 +68,6 @@ def _plan(obs, x: torch.Tensor) -> tuple[int, int] | None:
             or units.data_ptr() != x.data_ptr():
         return None
     return units.shape[1], tokens_of(x)
-
-
-def _lookup(obs, x: torch.Tensor):
-    """The plan for ``x``'s key (made on first sight; the cache follows the spec object)."""
-    spec = obs.spec
-    cache = obs.__dict__.get("_hist_plans")
-    if cache is None or cache[0] is not spec:
-        cache = obs.__dict__["_hist_plans"] = (spec, {})
-    plans = cache[1]
-    key = (x.shape, x.stride(), x.dtype)
-    if key in plans:
-        return plans[key]
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plan = plans[key] = _plan(obs, x)
-    return plan
 
 
 def _scratch(obs):
@@ -161,7 +144,7 @@ def cpu_step(obs, x, base: type) -> bool:
     lib = hist_kernel._kernel()
     if lib is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
         return False
-    plan = _lookup(obs, x)
+    plan = cached_plan(obs, x, "_hist_plans", _plan)
     if plan is None:
         return False
     last = obs._last_shape

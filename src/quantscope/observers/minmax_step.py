@@ -27,7 +27,7 @@ from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _ke
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
 from .base import tokens_of
 
-__all__ = ["cpu_step"]
+__all__ = ["MAX_PLANS", "cached_plan", "cpu_step"]
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run).
@@ -81,19 +81,21 @@ def _plan(obs, x: torch.Tensor) -> tuple[int, int, int] | None:
     return U, E, KERNEL_DTYPES[x.dtype]
 
 
-def _lookup(obs, x: torch.Tensor):
-    """The plan for ``x``'s key (made on first sight; the cache follows the spec object)."""
+def cached_plan(obs, x: torch.Tensor, attr: str, make):
+    """``make(obs, x)``, kept in ``obs.__dict__[attr]`` per ``x``'s ``(shape, stride, dtype)``
+    (made on first sight; the cache follows the spec object; past :data:`MAX_PLANS` keys it
+    starts over). The cached CPU steps' one cache (this module's, ``hist_step``'s)."""
     spec = obs.spec
-    cache = obs.__dict__.get("_cpu_plans")
+    cache = obs.__dict__.get(attr)
     if cache is None or cache[0] is not spec:
-        cache = obs.__dict__["_cpu_plans"] = (spec, {})
+        cache = obs.__dict__[attr] = (spec, {})
     plans = cache[1]
     key = (x.shape, x.stride(), x.dtype)
     if key in plans:
         return plans[key]
     if len(plans) >= MAX_PLANS:
         plans.clear()
-    plan = plans[key] = _plan(obs, x)
+    plan = plans[key] = make(obs, x)
     return plan
 
 
@@ -129,7 +131,7 @@ def cpu_step(obs, x, base: type) -> bool:
     lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
     if lib is None or not kernels.real_tensor(x):  # (after the context: Dynamo folds it)
         return False
-    plan = _lookup(obs, x)
+    plan = cached_plan(obs, x, "_cpu_plans", _plan)
     if plan is None:
         return False
     U, E, code = plan
