@@ -1,7 +1,7 @@
 """Small models built in place for tests that span packages (no download, no real weights):
 a word-level tokenizer, random-weight BERT (with MiniLM's tokenizer) and Llama folders, a
-Llama in memory, a random-weight Mixtral whose routers starve one expert, and a layer whose
-output is NaN on a finite input."""
+Llama in memory, a random-weight Mixtral whose routers starve one expert, a layer whose
+output is NaN on a finite input, and a Linear called twice (calibrated: ``twice_calibrated``)."""
 
 import math
 
@@ -96,6 +96,31 @@ class Sqrt(torch.nn.Module):
 
     def forward(self, x):
         return x.sqrt()
+
+
+class LinearTwice(torch.nn.Module):
+    """A Linear called twice, then another: in an ONNX export its codes feed two
+    DequantizeLinear nodes."""
+
+    def __init__(self, width=64, out=32):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, out)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+def twice_calibrated(seed=0):
+    """``(LinearTwice, its w8a8 calibration on 3 batches, an input)``, all from ``seed``."""
+    from quantscope import calibrate
+
+    torch.manual_seed(seed)
+    model = LinearTwice().eval()
+    g = torch.Generator().manual_seed(seed)
+    calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
+                      progress=False)
+    return model, calib, torch.randn(3, 64, generator=g)
 
 
 def llama(seed=0):

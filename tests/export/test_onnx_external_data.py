@@ -12,11 +12,12 @@ import re
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
+
+from tiny_models import LinearTwice, twice_calibrated
 
 from quantscope import calibrate, export
 from quantscope.exporters import onnx as qonnx
@@ -26,28 +27,9 @@ torch.set_num_threads(1)
 DATA = re.compile(r"m\.onnx\.[0-9a-f]{16}\.data")
 
 
-class _Twice(nn.Module):  # a Linear called twice: its codes are shared by two DQ nodes
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 32)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
-
-
-def _model(seed):
-    torch.manual_seed(seed)
-    model = _Twice().eval()
-    g = torch.Generator().manual_seed(seed)
-    calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
-                      progress=False)
-    return model, calib, torch.randn(3, 64, generator=g)
-
-
 @pytest.fixture(scope="module")
 def made():
-    return {seed: _model(seed) for seed in (0, 1)}
+    return {seed: twice_calibrated(seed) for seed in (0, 1)}
 
 
 def _export(made, path, seed=0, **kw):
@@ -332,7 +314,7 @@ def test_the_graphs_size_is_bounded_without_serializing_its_tensors(tmp_path, pr
     from quantscope.exporters.onnx_external import graph_bytes
 
     torch.manual_seed(0)
-    model, x = _Twice().eval(), torch.randn(3, 64)
+    model, x = LinearTwice().eval(), torch.randn(3, 64)
     if preset == "int4":  # weight-only int4 per channel: codes packed two per byte
         from quantscope import Channel, QuantSpec
         from quantscope.calibration.recipe import Recipe, Role, Rule

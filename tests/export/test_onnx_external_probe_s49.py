@@ -9,40 +9,22 @@ import os
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from quantscope import calibrate, export
+from tiny_models import twice_calibrated
+
+from quantscope import export
 from quantscope.exporters import onnx as qonnx
 
 torch.set_num_threads(1)
 
 
-class _Twice(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(64, 64)
-        self.b = nn.Linear(64, 32)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
-
-
-def _make(seed):
-    torch.manual_seed(seed)
-    model = _Twice().eval()
-    g = torch.Generator().manual_seed(seed)
-    calib = calibrate(model, [torch.randn(3, 64, generator=g) for _ in range(3)], "w8a8",
-                      progress=False)
-    return model, calib, torch.randn(3, 64, generator=g)
-
-
 @pytest.fixture(scope="module")
 def made():
-    return _make(0)
+    return twice_calibrated(0)
 
 
 def _export(made, path, **kw):
@@ -212,7 +194,7 @@ def test_a_failed_swap_removes_the_data_file_it_made(tmp_path, made, monkeypatch
 
     monkeypatch.setattr(atomic.os, "replace", swap)
     with pytest.raises(OSError, match="swap failed"):  # another model: another data file
-        _export(_make(1), path, external_data=True, overwrite=True)
+        _export(twice_calibrated(1), path, external_data=True, overwrite=True)
     assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == old
     # an identical export reuses the data file: a failed swap keeps it
     with pytest.raises(OSError, match="swap failed"):

@@ -13,25 +13,17 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+from tiny_models import LinearTwice
+
 from quantscope import calibrate, export
 from quantscope.exporters import onnx as qonnx
 from quantscope.exporters.onnx_tensors import unshared_codes
 
 
-class _Twice(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     torch.manual_seed(0)
-    model = _Twice().eval()
+    model = LinearTwice(16, 16).eval()
     g = torch.Generator().manual_seed(0)
     calib = calibrate(model, [torch.randn(3, 16, generator=g) * 4 for _ in range(4)], "w8a8",
                       progress=False)
