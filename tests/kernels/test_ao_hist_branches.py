@@ -5,38 +5,14 @@ tests/compat/test_ao_histogram.py; CI machines without AVX-512 run the AVX2 bran
 machines without AVX2 the scalar one, so each is built here and compared with it.
 """
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from march_builds import CC, build, cpu_has
 
-from quantscope import kernels
 from quantscope.stats import ao_histogram
 
-CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None or ao_histogram._kernel() is None,
                                 reason="no C compiler or no native kernel")
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return f" {flag}" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def _build(march: str, tmp_path) -> ctypes.CDLL:
-    flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
-    out = tmp_path / f"ao_hist_{march}.so"
-    subprocess.run([CC, *flags, f"-I{kernels.CSRC}", str(kernels.CSRC / "ao_hist.c"), "-o",
-                    str(out), "-lm"], check=True, capture_output=True, text=True)
-    so = ctypes.CDLL(str(out))
-    for fn, types in kernels.SIGNATURES["ao_hist"].items():
-        getattr(so, fn).restype, getattr(so, fn).argtypes = ctypes.c_int64, types
-    return so
 
 
 def _histc(so, x, bins, lo, hi, base, threads):
@@ -55,9 +31,9 @@ def _fused(so, x, bins, lo, hi, base, threads):
 
 @pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
 def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
-    if not _cpu_has(flag):
+    if not cpu_has(flag):
         pytest.skip(f"this CPU cannot run -march={march} code")
-    branch, native = _build(march, tmp_path), ao_histogram._kernel()
+    branch, native = build("ao_hist", march, tmp_path), ao_histogram._kernel()
     g = torch.Generator().manual_seed(3)
     for n in (1, 15, 17, 4099, 600_001):  # the last on 2 threads
         x = torch.randn(n, generator=g) * 3

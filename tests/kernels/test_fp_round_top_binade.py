@@ -15,10 +15,10 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from march_builds import cpu_has
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope import kernels
@@ -106,13 +106,6 @@ def _torch_dq(x: torch.Tensor, s: float, b) -> torch.Tensor:
 CC = shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        return f" {flag}" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def c_builds(tmp_path_factory):
     """``{march: library}``: the loaded native build and, where this CPU runs them and a
@@ -122,7 +115,7 @@ def c_builds(tmp_path_factory):
         pytest.skip("no native C kernel")
     out = {"native": native}
     for march, flag in (("haswell", "avx2"), ("x86-64", "sse2")):
-        if CC is None or not _cpu_has(flag):
+        if CC is None or not cpu_has(flag):
             continue
         flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
         so = tmp_path_factory.mktemp("fp_top") / f"mse_search_{march}.so"

@@ -6,39 +6,15 @@ tests/kernels/test_histogram_kernel.py; CI machines without AVX-512 run the AVX2
 machines without AVX2 the scalar one, so each is built here and compared with it.
 """
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from march_builds import CC, build, cpu_has
 
-from quantscope import kernels
 from quantscope.stats import hist_kernel
 from quantscope.stats import histogram as H
 
-CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None or hist_kernel._kernel() is None,
                                 reason="no C compiler or no native kernel")
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        return f" {flag}" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def _build(march: str, tmp_path) -> ctypes.CDLL:
-    flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
-    out = tmp_path / f"hist_kernel_{march}.so"
-    subprocess.run([CC, *flags, f"-I{kernels.CSRC}", str(kernels.CSRC / "hist_kernel.c"), "-o",
-                    str(out), "-lm"], check=True, capture_output=True, text=True)
-    so = ctypes.CDLL(str(out))
-    for fn, types in kernels.SIGNATURES["hist_kernel"].items():
-        getattr(so, fn).restype, getattr(so, fn).argtypes = ctypes.c_int64, types
-    return so
 
 
 def _fused(so, state, x, absolute, threads):
@@ -55,9 +31,9 @@ def _fused(so, state, x, absolute, threads):
 
 @pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
 def test_branch_fused_pass_equals_the_native_build(march, flag, tmp_path):
-    if not _cpu_has(flag):
+    if not cpu_has(flag):
         pytest.skip(f"this CPU cannot run -march={march} code")
-    branch, native = _build(march, tmp_path), hist_kernel._kernel()
+    branch, native = build("hist_kernel", march, tmp_path), hist_kernel._kernel()
     g = torch.Generator().manual_seed(5)
     hits = 0
     for n in (1, 15, 17, 600, 2048, 6143, 12289, 70_000):  # direct below 2 x the window

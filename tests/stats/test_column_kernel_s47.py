@@ -16,12 +16,12 @@ import itertools
 import math
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from march_builds import cpu_has
 from op_names import OpNames
 from tiers import each_value
 
@@ -36,22 +36,14 @@ COLUMNS = [1, 3, 7, 8, 9, 31, 32, 33, 40, 100, 257, 2047, 2048, 2049, 2056, 4100
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
 
 
-def _cpu_has(*flags: str) -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in text for flag in flags)
-
-
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> dict[str, tuple[ctypes.CDLL, bool]]:
     """``{name: (library, vector)}``: the loaded native build and, where this CPU runs them
     and a compiler is here, the AVX2 and the scalar ones; ``vector``: the build reduces whole
     8-column vectors (AVX2 and F16C), whose columns keep a share's last tying value."""
-    out = {"native": (stats._kernel(), _cpu_has("avx2", "f16c"))}
+    out = {"native": (stats._kernel(), cpu_has("avx2", "f16c"))}
     for march, vector in (("haswell", True), ("x86-64", False)):
-        if CC is None or not _cpu_has("avx2", "f16c" if vector else "sse2"):
+        if CC is None or not cpu_has("avx2", "f16c" if vector else "sse2"):
             continue
         flags = [f if f != "-march=native" else f"-march={march}" for f in kernels.FLAGS]
         so = tmp_path_factory.mktemp("colkernel") / f"unit_minmax_{march}.so"
@@ -163,7 +155,7 @@ def test_transposed_weights_are_their_reference_in_unit_order(dtype, C, kind, mo
     monkeypatch.setattr(stats, "KERNEL_MIN_NUMEL", 0)  # the kernel, and threads, from small
     monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 64)  # inputs on
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    vector = _cpu_has("avx2", "f16c")
+    vector = cpu_has("avx2", "f16c")
     m = values((64, C), dtype, kind, seed=C)  # m.t(): a transposed weight of [C, 64]
     for size in (2, 16, 64) if C >= 16 else ():
         slabs = m.float().view(64 // size, size, C)
