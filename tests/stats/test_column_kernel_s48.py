@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_column_kernel_s47 import _call, _cpu_has, bits, reference, values
+from march_builds import cpu_has
+from test_column_kernel_s47 import _call, bits, reference, values
 
 from quantscope.stats import minmax as stats
 
@@ -22,7 +23,7 @@ def test_more_shares_than_threads_ever_run_are_cut_as_the_capped_threads(shares,
     """``shares`` past the kernels' thread cap (a caller on a machine of more cores than
     that): the rows are cut as the capped threads cut them, so the sign of a zero min / max
     is the one of ``QS_MAXT`` shares, whatever the count asked."""
-    lib, vector = stats._kernel(), _cpu_has("avx2", "f16c")
+    lib, vector = stats._kernel(), cpu_has("avx2", "f16c")
     x = values((1, 130, 40), torch.float32, kind, seed=shares)
     want = reference(x, QS_MAXT, vector)
     for threads in (1, 2):
@@ -38,7 +39,7 @@ def test_more_shares_than_threads_ever_run_are_cut_as_the_capped_threads(shares,
 def test_threads_whose_shares_hold_no_rows_add_nothing(kind, fill):
     """One slab of fewer rows than shares, on several threads: a thread whose shares hold
     no rows writes no results, and the merge must skip its scratch (whatever it held)."""
-    lib, vector = stats._kernel(), _cpu_has("avx2", "f16c")
+    lib, vector = stats._kernel(), cpu_has("avx2", "f16c")
     for R, shares, threads in ((1, 4, 2), (1, 4, 4), (2, 4, 4), (3, 4, 3), (2, 3, 3)):
         for C in (1, 9, 40):
             x = values((1, R, C), torch.float32, kind, seed=R * 100 + C)
