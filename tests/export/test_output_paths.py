@@ -5,6 +5,7 @@ the target absent; what is written has the user's umask."""
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -344,6 +345,31 @@ def test_cli_export_onnx_overwrite_replaces_the_file(run_of_tiny_bert, tmp_path,
                      "--overwrite"]) == 2
     assert "not an ONNX file quantscope exported" in capsys.readouterr().err
     assert other.read_bytes() == b"not ours"
+
+
+def test_cli_export_external_data_flag(run_of_tiny_bert, tmp_path, capsys):
+    """``--external-data`` writes the weights beside the model (the default only past 2 GiB);
+    the flag with another format does nothing, so it is refused before anything loads."""
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from quantscope.exporters.onnx import session
+
+    ct = tmp_path / "ct"
+    assert cli.main(["export", str(run_of_tiny_bert), "--out", str(ct),
+                     "--no-external-data"]) == 2
+    assert ("--no-external-data applies to --format onnx only, not compressed-tensors"
+            in capsys.readouterr().err)
+    assert not ct.exists()
+    out = tmp_path / "m.onnx"
+    assert cli.main(["export", str(run_of_tiny_bert), "--format", "onnx", "--out", str(out),
+                     "--external-data"]) == 0
+    data = [p.name for p in tmp_path.iterdir() if p.name.endswith(".data")]
+    assert len(data) == 1 and re.fullmatch(r"m\.onnx\.[0-9a-f]{16}\.data", data[0]), data
+    graph = onnx.load(str(out), load_external_data=False).graph
+    external = [t.name for t in graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external, "no initializer was written to the data file"
+    session(out)  # ONNX Runtime opens the pair
 
 
 def test_written_folders_and_files_follow_the_umask(run_of_tiny_bert, tmp_path, umask_022):

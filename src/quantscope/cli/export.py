@@ -3,6 +3,7 @@ check`` (a compressed-tensors checkpoint's scales, fused layers and schemes hold
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from .checks import UsageError, check_model_arg, check_name, run_model_path, run_qparams
@@ -29,6 +30,10 @@ def add_export_parser(sub) -> None:
     p.add_argument("--allow-lossy", action="store_true",
                    help="compressed-tensors: write what the format cannot express exactly "
                         "in its nearest form (says what changed) instead of refusing")
+    p.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
+                   help="onnx: the weights in a data file FILE.<16 hex digits>.data beside "
+                        "FILE (default: only for a model over protobuf's 2 GiB); "
+                        "--no-external-data: one file, a larger model refused")
     add_other_weights_arg(p)
 
 
@@ -55,6 +60,9 @@ def cmd_export(args) -> int:
     if args.allow_lossy and args.format != "compressed-tensors":  # else it would do nothing
         raise UsageError(f"--allow-lossy applies to --format compressed-tensors only (its "
                          f"packed formats), not {args.format}")
+    if args.external_data is not None and args.format != "onnx":
+        flag = "--external-data" if args.external_data else "--no-external-data"
+        raise UsageError(f"{flag} applies to --format onnx only, not {args.format}")
     try:  # the run and the model are inputs: --out may never replace them
         kind = OUTPUT_KIND.get(args.format, "folder")
         check_writable_target(args.out, overwrite=args.overwrite, kind=kind, inputs=[
@@ -64,7 +72,8 @@ def cmd_export(args) -> int:
     phases = Phases()
     out = phases.run(f"exporting {args.run} as {args.format}", lambda: export_run(
         args.run, args.out, args.format, args.model, overwrite=args.overwrite,
-        allow_lossy=args.allow_lossy, allow_other_weights=args.allow_other_weights))
+        allow_lossy=args.allow_lossy, allow_other_weights=args.allow_other_weights,
+        external_data=args.external_data))
     print(f"quantscope export: wrote {out} ({args.format})")
     return 0
 
@@ -84,13 +93,14 @@ def cmd_check(args) -> int:
 
 def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
                overwrite: bool = False, allow_lossy: bool = False,
-               allow_other_weights: bool = False) -> str:
+               allow_other_weights: bool = False, external_data: bool | None = None) -> str:
     """Export a saved calibration (what ``quantscope export RUN_DIR`` runs); returns the path.
 
     ``run_dir`` is a ``quantscope calibrate --out RUN`` folder (its ``qparams/``) or a
     qparams folder itself; ``model`` the model folder or demo name (default: the one the
     calibration recorded in ``info["model"]``); ``allow_other_weights``: its weights go
-    unchecked (``Calibration.without_fingerprints``).
+    unchecked (``Calibration.without_fingerprints``); ``external_data``: ONNX only, as
+    :func:`~quantscope.exporters.onnx.export_onnx` takes it.
     """
     from ..calibration import load
     from ..calibration.choice.smooth import reapply
@@ -98,6 +108,8 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
     from ..exporters import export
     from ..exporters.atomic import check_writable_target
 
+    if external_data is not None and format != "onnx":  # else it would do nothing
+        raise ValueError(f"external_data applies to format='onnx' only, not {format!r}")
     run_dir = os.fspath(run_dir)
     qdir = os.path.join(run_dir, "qparams")
     qdir = qdir if os.path.isdir(qdir) else run_dir
@@ -126,6 +138,6 @@ def export_run(run_dir, out, format: str = "compressed-tensors", model=None, *,
         # fails on other batch sizes), and equal lengths need no pad token
         example = dict(tokenizer(["quantscope exports this model."] * 2, return_tensors="pt"))
         return export(calibration, float_model, out, format=format, overwrite=overwrite,
-                      example_inputs=example)
+                      example_inputs=example, external_data=external_data)
     return export(calibration, float_model, out, format=format, overwrite=overwrite,
                   allow_lossy=allow_lossy, model_path=str(path))
