@@ -3,6 +3,7 @@ of 0 rows no longer leaves SmoothQuant and keep_float nothing to read, and three
 what they are about."""
 
 import copy
+import importlib.util
 import warnings
 
 import pytest
@@ -170,6 +171,19 @@ def test_auto_is_read_in_any_case_as_the_other_observer_names():
         assert got.info["auto"]["chose"] == want.info["auto"]["chose"]
         assert got.info["auto"]["scores"] == want.info["auto"]["scores"]
     assert Role(QuantSpec("int8", "tensor"), "AuTo").observer == "auto"
+
+
+def test_auto_in_any_case_builds_the_recipes_auto_builds():
+    """preset(), scheme() and Recipe.with_observer() read "AUTO" as "auto" (they compared
+    the name with AUTO before any Role folded its case: "unknown observer 'AUTO'")."""
+    from quantscope.calibration.recipe import preset, scheme
+
+    builders = [lambda o: preset("w8a8", o), lambda o: preset("w8a8", o, kv_cache="fp8"),
+                lambda o: preset("w8a8").with_observer(o)]
+    if importlib.util.find_spec("compressed_tensors"):
+        builders.append(lambda o: scheme("W8A8", o))
+    for build in builders:
+        assert build("AUTO") == build("Auto") == build("auto")
 
 
 def test_an_option_object_of_the_wrong_kind_is_named_as_its_class():

@@ -36,7 +36,7 @@ from .recipe_dict import (
     preset_key,
     role_options,
 )
-from .role_observers import AUTO, check_taken, ct_observer, observed, weight_observer
+from .role_observers import AUTO, check_taken, ct_observer, folded, observed, weight_observer
 from .structure.placement import taken_roles
 
 __all__ = ["AUTO", "DEFAULT_CANDIDATES", "KV_CACHE", "PRESETS", "RECIPES", "ROLES", "Recipe",
@@ -73,8 +73,7 @@ class Role:
             raise TypeError(f"Role.spec must be a QuantSpec, got {type(self.spec).__name__}")
         if not isinstance(self.observer, str) or not self.observer:
             raise ValueError(f"Role.observer must be an observer name, got {self.observer!r}")
-        if self.observer.lower() == AUTO:  # any case, as the registry reads the other names
-            object.__setattr__(self, "observer", AUTO)
+        object.__setattr__(self, "observer", folded(self.observer))
         # by identity: 1 == True, but everything downstream asks `dynamic is True`
         if not (self.dynamic is True or self.dynamic is False or self.dynamic == "local"):
             raise ValueError(f"Role.dynamic must be one of {DYNAMIC_MODES}, got {self.dynamic!r}")
@@ -265,6 +264,7 @@ class Recipe:
         its :func:`weight_observer`) with ``options`` and their own it takes; run-time roles
         (``dynamic=True``), and the KV cache under ``auto`` (which chooses no KV scales), keep
         theirs, with those of ``options`` it takes. An option no role takes raises."""
+        observer = folded(observer)
         rules = tuple(replace(r, **{k: observed(getattr(r, k), k, observer, options)
                                     for k in ROLES}) for r in self.rules)
         kv = observed(self.kv_cache, "key", observer, options)
@@ -380,7 +380,7 @@ def preset(name: str, observer: str | None = None, *, targets=None, ignore=(),
             raise ValueError(f"preset: {given[0]} given with Recipe {name.name!r}: only observer= "
                              f"and its options apply to one (change it with dataclasses.replace)")
         return name if observer is None else name.with_observer(observer, **options)
-    key = preset_key(name, RECIPES)
+    key, observer = preset_key(name, RECIPES), folded(observer)
     if own_input := (INPUT_OBSERVERS.get(key) if observer is None else None):  # its own observer:
         own_options(f"preset {key!r}", "input", own_input, options)  # with_observer checks minmax
     observer = "minmax" if observer is None else observer
@@ -422,7 +422,7 @@ def scheme(name: str, observer: str | None = None, *, targets=("Linear",), ignor
                           "'quantscope[peers]'") from None
     from ..compat.llmcompressor_spec import llmcompressor_spec
 
-    key = str(name).upper()
+    key, observer = str(name).upper(), folded(observer)
     if key not in PRESET_SCHEMES or not PRESET_SCHEMES[key]:
         raise ValueError(f"recipe: unknown scheme {name!r}; expected one of "
                          f"{sorted(k for k, v in PRESET_SCHEMES.items() if v)}")

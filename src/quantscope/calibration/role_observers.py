@@ -11,10 +11,16 @@ from dataclasses import replace
 
 from .structure.kv_cache import ROLES as KV_ROLES
 
-__all__ = ["AUTO", "check_taken", "ct_observer", "observed", "unknown_options",
+__all__ = ["AUTO", "check_taken", "ct_observer", "folded", "observed", "unknown_options",
            "weight_observer"]
 
 AUTO = "auto"
+
+
+def folded(observer):
+    """``observer`` with ``auto`` in any case spelt :data:`AUTO`, as the registry reads the
+    other names in any case (every ``== AUTO`` test downstream compares that spelling)."""
+    return AUTO if isinstance(observer, str) and observer.lower() == AUTO else observer
 
 
 def weight_observer(name: str) -> str:

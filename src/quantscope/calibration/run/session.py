@@ -78,8 +78,6 @@ __all__ = ["AUTO_METRICS", "DEFAULT_SAMPLE_BUDGET_MB", "calibrate", "calibrate_m
 
 
 def _as_recipe(recipe, observer) -> Recipe:
-    if isinstance(observer, str) and observer.lower() == AUTO:  # as the registry reads names
-        observer = AUTO
     if isinstance(recipe, str):
         recipe = preset(recipe, observer)  # None: the preset's own (nvfp4 inputs differ)
     elif not isinstance(recipe, Recipe):
