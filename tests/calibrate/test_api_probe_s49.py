@@ -27,6 +27,18 @@ class TwoProj(nn.Module):
         return self.down_proj(torch.relu(self.q_proj(x)))
 
 
+class Blocked(nn.Module):
+    """TwoProj's layers, down_proj inside a container ``Block`` that holds no weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.block = nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16))
+        self.block.__class__ = type("Block", (nn.Sequential,), {})
+
+    def forward(self, x):
+        return self.block(torch.relu(self.q_proj(x)))
+
+
 def _calibrate(recipe, model=None, batches=None):
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
@@ -51,9 +63,13 @@ def _calibrate(recipe, model=None, batches=None):
       "taken by an earlier rule")),
     (Recipe((Rule(("q_proj",), weight=W8), Rule(("down_proj",), weight=W4)),
             ignore=("down_proj",)), "rules[1] (targets ['down_proj']) takes no module"),
+    # a container class matched: its layers are not its (s50: it was silent beside another rule)
+    (Recipe((Rule(("Block",), weight=W4), Rule(("q_proj",), weight=W8))),
+     ("rules[0] (targets ['Block']) takes no module: the modules it matches take none of its "
+      "roles: 'block' (Block) holds no weight")),
 ])
 def test_a_rule_or_target_taking_nothing_is_warned_naming_it(recipe, said):
-    c, told, caught = _calibrate(recipe)
+    c, told, caught = _calibrate(recipe, Blocked() if "Block" in str(recipe) else None)
     assert sorted(c.states)  # the rest calibrated
     assert len(told) == 1 and said in told[0], told
     assert told[0].startswith("calibrate: recipe 'custom': ")

@@ -14,6 +14,7 @@ import warnings
 from ..._checks import outside_quantscope
 from ..options import MoE, Options, Runtime, Sampling
 from ..recipe_dict import unmatched
+from ..structure.placement import taken_roles
 
 __all__ = ["warn_idle_rules", "warn_unused_activation_options", "warn_unused_moe"]
 
@@ -57,20 +58,31 @@ def warn_unused_moe(recipes, moe: MoE, has_experts: bool) -> None:
 def warn_idle_rules(model, recipes) -> None:
     """Each recipe's targets that match no module of ``model`` (a misspelt name: the ignore
     list's modules count as matched) and its rules that take no module (every module they
-    match ignored or taken by an earlier rule: the first rule that matches takes it), where
-    the recipe takes some module (one taking none raises in :meth:`~..recipe.Recipe.match`).
-    compressed-tensors warns of such targets too ("Could not match")."""
+    match ignored, taken by an earlier rule, the first rule that matches taking it, or taking
+    none of its roles: a container class, a norm), where the recipe takes some module (one
+    taking none raises in :meth:`~..recipe.Recipe.match`). compressed-tensors warns of such
+    targets too ("Could not match")."""
     named = [(n, m) for n, m in model.named_modules() if n]
     for rec in recipes.values():
-        taken = {rec.rule_index(n, m) for n, m in named} - {None}
+        taken, roleless = set(), {}  # rule index -> the first module it matched in vain
+        for n, m in named:
+            if (i := rec.rule_index(n, m)) is None:
+                continue
+            roles, why = taken_roles(n, m, rec.rules[i], rec.name)
+            if roles:
+                taken.add(i)
+            else:
+                roleless.setdefault(i, f"{n!r} ({type(m).__name__}) {why}")
         if not taken:
             continue
         lost = unmatched([t for r in rec.rules for t in r.targets], named)
         said = [(f"targets {lost} match no module (a misspelt name? a target is a module's "
                  f"name, a class name, or a glob / re: pattern)")] if lost else []
-        said += [f"rules[{i}] (targets {list(r.targets)}) takes no module: each module it "
-                 f"matches is ignored or taken by an earlier rule (the first rule that matches "
-                 f"a module takes it: put a narrower rule first)"
+        said += [f"rules[{i}] (targets {list(r.targets)}) takes no module: "
+                 + (f"the modules it matches take none of its roles: {roleless[i]}"
+                    if i in roleless else "each module it matches is ignored or taken by an "
+                    "earlier rule (the first rule that matches a module takes it: put a "
+                    "narrower rule first)")
                  for i, r in enumerate(rec.rules)
                  if i not in taken and not set(r.targets) <= set(lost)]
         if said:
