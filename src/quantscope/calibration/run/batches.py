@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 from collections.abc import Iterable, Mapping, MutableMapping
 from contextlib import contextmanager
 
@@ -14,7 +15,7 @@ from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
-           "module_input", "nan_parameter", "sized_like", "tensors_in"]
+           "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -91,6 +92,25 @@ def sized_like(it, source):
     (:func:`batch_count`), as over ``source`` itself."""
     n = batch_count(source)
     return it if n is None else _Sized(it, n)
+
+
+def peek(batches, wanted=None):
+    """``(the first batch, batches)`` with nothing consumed from ``batches``: a stream stays
+    one (no list of all the batches) and keeps its source's length (:func:`sized_like`).
+    With ``wanted``, the first batch it holds for, else the first (a stream is read up to
+    it, the batches before it kept); None where there is no batch."""
+    if isinstance(batches, (list, tuple)):
+        first = batches[0] if batches else None
+        return next((b for b in batches if wanted is None or wanted(b)), first), batches
+    it, seen, found = iter(batches), [], 0
+    for b in it:
+        seen.append(b)
+        if wanted is None or wanted(b):
+            found = len(seen) - 1
+            break
+    if not seen:
+        return None, []
+    return seen[found], sized_like(itertools.chain(seen, it), batches)
 
 
 def tensors_in(value):

@@ -15,8 +15,6 @@ the union of their first batches.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -24,7 +22,7 @@ from ... import comm as qd
 from ..choice import smooth as _smooth
 from ..choice.sensitivity import fall_back
 from ..options import Outliers, Runtime
-from .batches import sized_like, tensors_in
+from .batches import peek, tensors_in
 
 __all__ = ["around"]
 
@@ -36,7 +34,7 @@ def around(model, batches, run, outliers: Outliers, runtime: Runtime) -> dict:
     copy of the smoothed ones) until it returns."""
     if outliers.smooth is None and not outliers.keep_float:
         return run(batches)
-    first, batches = _first_with_rows(batches)
+    first, batches = peek(batches, _holds_value)
     group = runtime.group
     across = runtime.distributed and qd.is_distributed(group)
     held = 0 if first is None else 1 + _holds_value(first)
@@ -79,24 +77,6 @@ def _holds_value(batch) -> bool:
     (nothing to tell by)."""
     found = [t.numel() > 0 for t in tensors_in(batch)]
     return not found or any(found)
-
-
-def _first_with_rows(batches):
-    """``(the batch the outliers' steps read, batches)``, nothing consumed from ``batches``
-    (a stream stays one, of its source's length): the first that holds a value, else the
-    first (None: no batch)."""
-    if isinstance(batches, (list, tuple)):
-        first = batches[0] if batches else None
-        return next((b for b in batches if _holds_value(b)), first), batches
-    it, seen = iter(batches), []
-    for b in it:
-        seen.append(b)
-        if _holds_value(b):
-            break
-    if not seen:
-        return None, []
-    return (seen[-1] if _holds_value(seen[-1]) else seen[0]), \
-        sized_like(itertools.chain(seen, it), batches)
 
 
 def _ranker(src: int, group):

@@ -27,7 +27,6 @@ tensor holds, and search observers then minimise the group's total error.
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 from dataclasses import replace
@@ -46,7 +45,7 @@ from ..run.batches import (
     input_name,
     map_tensors,
     module_input,
-    sized_like,
+    peek,
 )
 from .conv1d import is_conv1d
 from .moe import expert_items, is_expert_list
@@ -62,20 +61,6 @@ APART = (frozenset({"q_proj", "kv_a_proj_with_mqa"}),)
 #: how many distinct recent inputs a layer's input is compared with (DeepSeek's
 #: ``kv_a_proj_with_mqa`` reads the hidden state after ``q_a_proj`` -> ``q_b_proj`` ran)
 WINDOW = 8
-
-
-def peek(batches):
-    """``(first batch or None, batches)`` with nothing consumed from ``batches``: a stream
-    stays one (no list of all the batches) and keeps its source's length (a DataLoader's),
-    over which the activation sample is spread."""
-    if isinstance(batches, (list, tuple)):
-        return (batches[0] if batches else None), batches
-    it = iter(batches)
-    try:
-        first = next(it)
-    except StopIteration:
-        return None, []
-    return first, sized_like(itertools.chain([first], it), batches)
 
 
 def _where(x: torch.Tensor) -> tuple:
