@@ -105,15 +105,20 @@ def _raw_size(tensor) -> int | None:
     return None if bits is None else (math.prod(tensor.dims) * bits + 7) // 8
 
 
-def check_external_target(path) -> str:
+def _written(path) -> str:
+    """The file an export to ``path`` writes: ``path`` made absolute, or a link's target."""
+    path = os.path.abspath(os.fspath(path))
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def check_external_target(path) -> None:
     """Refuse an output ``path`` (checked by :func:`~.atomic.check_writable_target`) that
     cannot hold a model with external data, before the trace where the caller knows it
     will: a data file's name past the file system's limit, or a symbolic link to a file in
     another folder (ONNX Runtime and onnx read the data relative to the folder of the path
     they are given, the link's; the data file lies beside the file written, the link's
-    target). Returns the file written (the link's target)."""
-    path = os.path.abspath(os.fspath(path))
-    target = os.path.realpath(path) if os.path.islink(path) else path
+    target)."""
+    path, target = os.path.abspath(os.fspath(path)), _written(path)
     folder, name = os.path.split(target)
     if target != path and os.path.realpath(os.path.dirname(path)) != os.path.realpath(folder):
         raise ValueError(f"onnx export: {path!r} is a symbolic link to {target!r}, in another "
@@ -128,7 +133,6 @@ def check_external_target(path) -> str:
         raise ValueError(f"onnx export: {target!r}: its data file's name would be {size} bytes "
                          f"long ({name}.<{_DIGITS} hex digits>.data); the file system takes "
                          f"names of at most {_name_max(probe)} bytes: choose a shorter name")
-    return target
 
 
 def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -> None:
@@ -136,7 +140,7 @@ def write_model(onnx, proto, path, *, external: bool, overwrite: bool, inputs) -
     ``onnx.save`` writes it (checked before anything is written), or with ``external`` its
     tensors in a data file (module doc; checked on the written files, before the swap); the
     data file of the export replaced, if any, deleted after the swap."""
-    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+    target = _written(path)
     if external:
         check_external_target(path)
     else:

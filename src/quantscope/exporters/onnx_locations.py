@@ -167,8 +167,9 @@ def _entries(tensor) -> dict[str, str]:
 def _initializers(graph):
     """The initializers of ``graph`` and of its subgraphs (an If's, a Loop's branches)."""
     yield from graph.initializer
-    for sub in _subgraphs(graph):
-        yield from _initializers(sub)
+    for node in graph.node:
+        for sub in _node_graphs(node):
+            yield from _initializers(sub)
 
 
 def _model_tensors(proto):
@@ -201,13 +202,13 @@ def _node_tensors(nodes):
             for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
                            *a.sparse_tensors):
                 yield from (sparse.values, sparse.indices)
-            for sub in (*([a.g] if a.HasField("g") else []), *a.graphs):
-                yield from _tensors(sub)
+        for sub in _node_graphs(node):
+            yield from _tensors(sub)
 
 
-def _subgraphs(graph):
-    for node in graph.node:
-        for a in node.attribute:
-            if a.HasField("g"):
-                yield a.g
-            yield from a.graphs
+def _node_graphs(node):
+    """The graphs ``node``'s attributes hold (an If's branches, a Loop's body)."""
+    for a in node.attribute:
+        if a.HasField("g"):
+            yield a.g
+        yield from a.graphs
