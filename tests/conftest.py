@@ -81,18 +81,15 @@ def meta_as_device(monkeypatch):
     monkeypatch.setattr(session, "check_placement", lambda *args, **kwargs: None)
 
 
-@pytest.fixture(autouse=True)
-def _device_contexts_keep_torch_factories():
-    """A test that patches a torch factory (``torch.tensor``) while the first ``with
-    torch.device(...)`` of its process runs leaves the wrapper in torch's cached list of
-    factories (``torch.utils._device._device_constructors``): every later device context of
-    that worker leaves the real function on the CPU (transformers' meta init then made
-    ``from_pretrained`` hold uninitialised rotary tables, two files later). Named here, at
-    the test that did it."""
-    yield
+@pytest.fixture(autouse=True, scope="session")
+def _torch_factories_cached_before_any_test():
+    """torch caches its factory functions (``torch.utils._device._device_constructors``) at
+    the first ``with torch.device(...)`` of a process. A test that patched one
+    (``torch.tensor``) while that ran left the wrapper in the cache: every later device
+    context of that worker left the real function on the CPU (transformers' meta init then
+    made ``from_pretrained`` hold uninitialised rotary tables, two files later). Filled here
+    with the real factories before any test runs."""
     from torch.utils import _device
 
-    factories = _device._device_constructors()
-    assert torch.tensor in factories and torch.empty in factories, (
-        "this test left a patched torch factory in torch.utils._device's cache: patch it "
-        "after a `with torch.device(...)` has run (tests/calibrate/test_device_pass.py)")
+    assert torch.tensor in _device._device_constructors()
+    yield
