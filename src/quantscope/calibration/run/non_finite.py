@@ -2,9 +2,11 @@
 
 An observer in ``non_finite="error"`` mode keeps a flag (``seen_non_finite``) that its
 ``forward`` sets without reading anything back; the flag stays set. :class:`FirstBad` stacks
-every such flag once per batch, one op per device at the batch's end (not one per observer
-call: a GPU's host pays for each op), and reads them all once after the pass. Ranks that
-forwarded their shares of the batches agree on one process's answer (:func:`first_of`).
+every such flag at each batch's end and counts, per flag, the batches after which it was
+set: two ops per device a batch (not one per observer call: a GPU's host pays for each op),
+memory that does not grow with the batches, one read per device after the pass.
+Ranks that forwarded their shares of the batches agree on one process's answer
+(:func:`first_of`).
 
 A run-time (``dynamic``) role has no observer: where it raises on NaN / inf and no observer of
 its tensor does, the calibration's hook keeps a flag of its own, set by :func:`flag_tensor`.
@@ -47,14 +49,17 @@ class Watched(NamedTuple):
 
 class FirstBad:
     """The flags of ``watched`` (:class:`Watched` rows, in the order the errors name them,
-    :func:`watched`), stacked at the end of each batch (:meth:`end_batch`)."""
+    :func:`watched`), counted at the end of each batch (:meth:`end_batch`): a flag stays
+    set, so a flag set after ``c`` of ``n`` batches was first set after batch ``n - c``
+    (counting from 0). ``number(k)``: the number errors give the ``k``-th batch (None: k)."""
 
-    def __init__(self, watched: list[Watched]):
-        self.watched = watched
-        self.batches: list = []  # (batch number, [(rows, flags of those rows)] per device)
+    def __init__(self, watched: list[Watched], number=None):
+        self.watched, self.number, self.ended = watched, number, 0
+        self.counts: dict = {}  # device -> (rows of watched, int64 [rows]: batches set after)
+        self.settled: dict[int, int] = {}  # row -> first set batch, where its device changed
 
-    def end_batch(self, batch) -> None:
-        """Stack the flags after batch ``batch`` (its number, as errors name it)."""
+    def end_batch(self) -> None:
+        """Count the flags set after the batch that just ran."""
         if not self.watched:
             return
         by_device: dict = {}
@@ -63,25 +68,32 @@ class FirstBad:
             rows, flags = by_device.setdefault(flag.device, ([], []))
             rows.append(i)
             flags.append(flag)
-        self.batches.append((batch, [(rows, torch.stack(flags)) for rows, flags in
-                                     by_device.values()]))
+        for device in [d for d, (rows, _) in self.counts.items()
+                       if by_device.get(d, (None,))[0] != rows]:  # observers moved: rare
+            self._settle(*self.counts.pop(device))
+        for device, (rows, flags) in by_device.items():
+            if device not in self.counts:  # (a row set before it moved here is settled)
+                self.counts[device] = (rows, torch.zeros(len(rows), dtype=torch.int64,
+                                                         device=device))
+            self.counts[device][1].add_(torch.stack(flags))
+        self.ended += 1
+
+    def _settle(self, rows, counts) -> None:
+        for i, c in zip(rows, counts.tolist()):
+            if c:
+                self.settled[i] = min(self.ended - c, self.settled.get(i, NONE))
 
     def first(self) -> tuple[int, object] | None:
         """``(row of watched, batch)`` of the first watched observer (in ``watched``'s order)
         whose flag is set, and the first batch after which it was; None: none is set. One
-        read per device where no flag is set (then, to name the batch, one per batch up to
-        it)."""
-        if not self.batches:
+        read per device."""
+        for device in list(self.counts):
+            self._settle(*self.counts.pop(device))
+        if not self.settled:
             return None
-        last = _read(self.batches[-1][1])  # the flags stay set: the last batch has them all
-        bad = [i for i, flag in last.items() if flag]
-        if not bad:
-            return None
-        i = min(bad)
-        for batch, groups in self.batches:  # the first batch that had it (once per pass)
-            if _read(groups).get(i):
-                return i, batch
-        return i, None
+        i = min(self.settled)
+        k = self.settled[i]
+        return i, k if self.number is None else self.number(k)
 
     def check(self, model=None) -> None:
         """Raise :meth:`error` of :meth:`first`, if any."""
@@ -164,11 +176,3 @@ def flag_tensor(x: torch.Tensor, slot) -> None:
     else:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         record_non_finite(*ops.unit_minmax(rows), seen)
-
-
-def _read(groups) -> dict[int, bool]:
-    """Row of watched -> its flag, from one batch's stacked flags (one read per device)."""
-    out = {}
-    for rows, flags in groups:
-        out.update(zip(rows, flags.tolist()))
-    return out

@@ -344,7 +344,7 @@ def observe_batches(model, batches, slots, sample_tokens, progress, seed, sample
         if kv:
             handles.append(SimpleNamespace(remove=kv_cache.attach(
                 model, {layer: _kv_observer(roles) for layer, roles in kv.items()})))
-        bad = non_finite.FirstBad(watched)
+        bad = non_finite.FirstBad(watched, batch_index)
         with eval_mode(model):
             n = _forward_all(model, batches, total, progress, batch_index, bad.end_batch)
         if flags is None:
@@ -386,7 +386,7 @@ def _no_tqdm(who: str) -> None:
 
 def _forward_all(model, batches, total, progress, batch_index, end_batch) -> int:
     """Forward every batch (the hooks observe), each under its number for errors, then
-    ``end_batch(number)``."""
+    ``end_batch()``."""
     heap.prepare()  # large tensors mmapped, freed to the system (heap.py)
     # a model off the CPU keeps its activations off the host heap: no pages to give back,
     # and malloc_trim walks the whole heap (~10 ms a batch on a fragmented GB)
@@ -402,7 +402,7 @@ def _forward_all(model, batches, total, progress, batch_index, end_batch) -> int
         try:
             with torch.inference_mode():
                 forward_batch(model, batch)
-                end_batch(number)
+                end_batch()
         finally:
             _IN_PASS.reset(passing)
             _BATCH.reset(numbering)
