@@ -230,7 +230,7 @@ def test_inference_mode_and_grad_input():
 def test_reset_load_and_copies():
     """A reset (the state emptied), a loaded state and a copy: the cached step resumes on
     the state it finds, and a copy or a saved observer carries no cache."""
-    from quantscope.observers import hist_step
+    from quantscope.observers import step_cache
 
     obs, twin = pair("percentile")
     feed(obs, twin, [g(0, 4, 64), g(1, 4, 64)])
@@ -241,23 +241,23 @@ def test_reset_load_and_copies():
     feed(fresh, fresh_twin, [g(4, 4, 64, scale=2), g(5, 4, 64)])
     ranges_equal(fresh, fresh_twin)
     clone = copy.deepcopy(obs)
-    assert not set(hist_step.CACHES) & set(clone.__dict__)
+    assert not set(step_cache.CACHES) & set(clone.__dict__)
     saved = io.BytesIO()
     torch.save(obs, saved)
     saved.seek(0)
     loaded = torch.load(saved, weights_only=False)
-    assert not set(hist_step.CACHES) & set(loaded.__dict__)
+    assert not set(step_cache.CACHES) & set(loaded.__dict__)
     clone(g(6, 4, 64, scale=50))
     assert float(clone.max_vals) > float(obs.max_vals)
     feed(obs, twin, [g(7, 4, 64)])
 
 
 def test_plans_are_bounded():
-    from quantscope.observers import hist_step
+    from quantscope.observers import step_cache
 
     obs, twin = pair("percentile")
-    feed(obs, twin, [g(i, 4, 32 + i) for i in range(hist_step.MAX_PLANS + 3)])
-    assert len(obs.__dict__["_hist_plans"][1]) <= hist_step.MAX_PLANS
+    feed(obs, twin, [g(i, 4, 32 + i) for i in range(step_cache.MAX_PLANS + 3)])
+    assert len(obs.__dict__["_hist_plans"][1]) <= step_cache.MAX_PLANS
 
 
 def test_compiled_and_fake_mode_take_the_general_path():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantscope import Channel, QuantSpec, Tensor, Token
-from quantscope.observers import MovingAverageMinMaxObserver, StaticMinMaxObserver, minmax_step
+from quantscope.observers import MovingAverageMinMaxObserver, StaticMinMaxObserver, step_cache
 from quantscope.stats import minmax as stats
 
 pytestmark = pytest.mark.skipif(stats._kernel() is None, reason="no compiled kernel")
@@ -151,6 +151,6 @@ def test_instance_settings_are_read_per_call():
 def test_plans_stay_bounded_over_many_shapes():
     """Activations of ever new token counts: at most MAX_PLANS plans are kept."""
     obs = StaticMinMaxObserver(QuantSpec("int8", Tensor()))
-    for t in range(1, 3 * minmax_step.MAX_PLANS + 2):
+    for t in range(1, 3 * step_cache.MAX_PLANS + 2):
         obs(g(t, t, 16))
-        assert len(obs.__dict__["_cpu_plans"][1]) <= minmax_step.MAX_PLANS
+        assert len(obs.__dict__["_cpu_plans"][1]) <= step_cache.MAX_PLANS

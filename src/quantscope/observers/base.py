@@ -47,6 +47,7 @@ from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
 from .overflow import range_overflow
 from .shape import record_shape, units_before
+from .step_cache import CACHES
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
 __all__ = ["NON_FINITE_MODES", "Observer", "dtensor_error", "is_dtensor", "only_observes",
@@ -286,8 +287,7 @@ class Observer(nn.Module):
         input's dtype, unread) and its per-unit ``lo``, ``hi`` (float32).
 
         ``units`` is None when the class sets ``needs_units = False`` and the layout has a
-        direct min / max path (:func:`~quantscope.stats.minmax_layouts.layout_minmax`).
-        """
+        direct min / max path (:func:`~quantscope.stats.minmax_layouts.layout_minmax`)."""
         raise NotImplementedError
 
     # --------------------------------------------------------------- computing
@@ -404,6 +404,9 @@ class Observer(nn.Module):
             self._observe(units, lo, hi)
 
     # ------------------------------------------------------------------ helpers
+    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the CPU steps' caches
+        return {k: v for k, v in super().__getstate__().items() if k not in CACHES}
+
     def _apply(self, fn, recurse=True):
         # a module cast (model.to(torch.bfloat16), .half()) moves the state, keeps its dtypes:
         # float32 statistics rounded to bf16 would clip ranges inward and accumulate in bf16

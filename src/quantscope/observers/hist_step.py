@@ -27,9 +27,9 @@ from torch.autograd.graph import increment_version
 from .. import kernels
 from ..stats import hist_kernel
 from .base import tokens_of
-from .minmax_step import MAX_PLANS, cached_plan
+from .step_cache import cached_plan
 
-__all__ = ["CACHES", "MAX_PLANS", "cpu_step"]
+__all__ = ["cpu_step"]
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run)
@@ -39,8 +39,6 @@ _STEPS = frozenset((
     "_store", "_drop_zeros", "_interval_batch", "count_batch", "set_shape",
     "units_in_input_dtype", "unpads", "needs_units"))
 _classes: dict[type, bool] = {}
-#: the observer attributes :func:`cpu_step` caches in; never copied or pickled
-CACHES = ("_hist_plans", "_hist_scratch")
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 _REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
 _F32, _I64, _CPU = torch.float32, torch.int64, torch.device("cpu")

@@ -58,7 +58,7 @@ from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax_layouts import unpad_minmax_
 from . import record
 from .base import Observer
-from .hist_step import CACHES, cpu_step
+from .hist_step import cpu_step
 from .histogram_ema import WINDOW, IntervalAverage
 from .histogram_estimate import ScaledEstimate
 from .registry import register
@@ -127,9 +127,6 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
 
     def _sized_buffers(self):
         return (*_STATE, "min_vals", "max_vals", "ema_lo", "ema_hi", *WINDOW)
-
-    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the CPU step's caches
-        return {k: v for k, v in super().__getstate__().items() if k not in CACHES}
 
     @property
     def units_in_input_dtype(self) -> bool:

@@ -19,7 +19,7 @@ from ..stats.minmax import (
     update_state,
 )
 from .base import Observer, is_dtensor, only_observes, tokens_of
-from .minmax_step import CACHES, cpu_step
+from .minmax_step import cpu_step
 from .overflow import EMA_OVERFLOW
 from .registry import register
 
@@ -54,9 +54,6 @@ class MinMaxStateObserver(Observer):
         super().__init__(spec, **kwargs)
         self.register_buffer("min_vals", torch.zeros(0, dtype=torch.float32))
         self.register_buffer("max_vals", torch.zeros(0, dtype=torch.float32))
-
-    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the CPU step's caches
-        return {k: v for k, v in super().__getstate__().items() if k not in CACHES}
 
     def _sized_buffers(self):
         return ("min_vals", "max_vals")

@@ -9,7 +9,8 @@ so :func:`cpu_step` makes them once per such key (:func:`_plan`, which also runs
 tests what can change between calls (the context, the state's tensors, the settings), then
 runs the same fused kernel call the general path makes: the same state, bit for bit, the
 same versions bumped, the same flag and count. Anything else, or a test failing, returns
-False: the general path runs (and raises whatever it raises).
+False: the general path runs (and raises whatever it raises). The plan cache is
+:mod:`.step_cache`'s.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from ..layout import Tensor as TensorLayout
 from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
 from .base import tokens_of
+from .step_cache import cached_plan
 
-__all__ = ["MAX_PLANS", "cached_plan", "cpu_step"]
+__all__ = ["cpu_step"]
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run).
@@ -36,11 +38,6 @@ _STEPS = frozenset(("check_input", "leave_inference_mode", "_check_unit_count",
                     "_unit_minmax", "_minmax_out", "_record_non_finite", "_observe", "_update",
                     "count_batch", "set_shape", "_one_op_units"))
 _classes: dict[type, bool] = {}
-#: plans kept per observer (keys seen); past it the cache starts over
-MAX_PLANS = 16
-#: the observer attributes :func:`cpu_step` caches in; never copied or pickled (a scratch's
-#: address is its own object's memory, which a copy would write into)
-CACHES = ("_cpu_plans", "_cpu_scratch")
 
 
 def _takes_class(cls: type, base: type) -> bool:
@@ -79,24 +76,6 @@ def _plan(obs, x: torch.Tensor) -> tuple[int, int, int] | None:
     if not _stats._kernel_reads(units.detach(), True):
         return None
     return U, E, KERNEL_DTYPES[x.dtype]
-
-
-def cached_plan(obs, x: torch.Tensor, attr: str, make):
-    """``make(obs, x)``, kept in ``obs.__dict__[attr]`` per ``x``'s ``(shape, stride, dtype)``
-    (made on first sight; the cache follows the spec object; past :data:`MAX_PLANS` keys it
-    starts over). The cached CPU steps' one cache (this module's, ``hist_step``'s)."""
-    spec = obs.spec
-    cache = obs.__dict__.get(attr)
-    if cache is None or cache[0] is not spec:
-        cache = obs.__dict__[attr] = (spec, {})
-    plans = cache[1]
-    key = (x.shape, x.stride(), x.dtype)
-    if key in plans:
-        return plans[key]
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plan = plans[key] = make(obs, x)
-    return plan
 
 
 def _float32_state(t: torch.Tensor, n: int) -> bool:
