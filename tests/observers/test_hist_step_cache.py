@@ -138,6 +138,36 @@ def test_misses_run_the_general_path(monkeypatch):
         obs.calculate_qparams()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_miss_reads_the_batch_in_one_fused_call(dtype, monkeypatch):
+    """A batch the fused pass misses (a range grown past its window, NaN, inf) takes one
+    fused C call, the cached step's: the general path then runs its two-pass update, not its
+    own fused attempt (the same call on the same batch and state: a second read to miss
+    again, ~1.5x the batch's time). A hit is one call, as on the general path."""
+    lib = hist_kernel._kernel()
+    calls = []
+    real = lib.qs_hist_fused
+    monkeypatch.setattr(lib, "qs_hist_fused", lambda *a: calls.append(1) or real(*a))
+    obs, twin = pair("percentile")
+    feed(obs, twin, [g(0, 4096).to(dtype)])
+    general = CountGeneral(monkeypatch)
+    nan, inf = g(4, 4096), g(5, 4096)
+    nan[7], inf[9] = float("nan"), float("-inf")
+    for x, hit in [(g(1, 4096, scale=8.0), False), (g(2, 4096, scale=64.0), False),
+                   (g(3, 4096, scale=40.0), True), (g(6, 4096, scale=30.0), True),
+                   (nan, False), (inf, False)]:
+        x = x.to(dtype)
+        for o in (obs, twin):
+            calls.clear()
+            o(x)
+            assert len(calls) == 1, (o.cached_cpu_step, hit)
+        assert general.calls == (1 if hit else 2)  # obs's general path ran on a miss
+        general.calls = 0
+        same_state(obs, twin)
+        assert obs._pass[0] is None  # (consumed)
+    assert bool(obs.seen_non_finite)
+
+
 def test_not_taken_where_the_general_path_differs(monkeypatch):
     """float64, strided or empty input, several units, the first call, the reference
     grid, the EMA mode, skipped zeros, ignored NaN / inf, an instance or class step, the

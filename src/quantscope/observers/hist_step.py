@@ -12,8 +12,10 @@ and each later call only tests what can change between calls (the context, the s
 tensors, the settings), then makes the fused kernel call the general path makes, into fresh
 state tensors that the buffers take as the general path's ``_store`` gives them: the same
 state, bit for bit, the same tensor versions, flags and counts. A miss of the fused pass (a
-value outside its window, NaN / inf, an empty state) changes nothing, and the general path
-runs (its two-pass update), as does anything else this step does not take: it returns False.
+value outside its window, NaN / inf, an empty state) changes nothing but ``obs._pass[0]``
+(:data:`MISSED`), and the general path runs with its two-pass update: its own fused attempt
+would read the batch again to miss again. Anything else this step does not take returns
+False, nothing changed: the general path runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..stats import hist_kernel
 from .base import tokens_of
 from .step_cache import cached_plan
 
-__all__ = ["cpu_step"]
+__all__ = ["MISSED", "cpu_step"]
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run)
@@ -39,6 +41,9 @@ _STEPS = frozenset((
     "_store", "_drop_zeros", "_interval_batch", "count_batch", "set_shape",
     "units_in_input_dtype", "unpads", "needs_units"))
 _classes: dict[type, bool] = {}
+#: what :func:`cpu_step` leaves in ``obs._pass[0]`` where its fused C call missed: the general
+#: path's ``_unit_minmax`` (which consumes it) then goes straight to the two-pass update
+MISSED = ("missed",)
 _STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 _REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
 _F32, _I64, _CPU = torch.float32, torch.int64, torch.device("cpu")
@@ -136,8 +141,8 @@ def _count(counter: torch.Tensor, tokens: int) -> None:
 def cpu_step(obs, x, base: type) -> bool:
     """``obs.forward(x)``'s whole step where it is one fused C pass over a one-unit CPU ``x``
     (float32; bf16 / fp16 where ``hist_kernel.widens`` them) (``obs``: a histogram observer,
-    an instance of ``base``, the class whose steps it stands for); False, nothing changed,
-    elsewhere."""
+    an instance of ``base``, the class whose steps it stands for); False elsewhere, nothing
+    changed (a fused-pass miss: :data:`MISSED` left for the general path)."""
     # the context first (None: no kernel, or a trace / compile / fake mode): Dynamo folds it
     lib = hist_kernel._kernel()
     if lib is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
@@ -169,7 +174,9 @@ def cpu_step(obs, x, base: type) -> bool:
     if lib.qs_hist_fused(src.data_ptr(), plan[0], B, int(obs._absolute),
                          *(s.data_ptr() for s in state), *(s.data_ptr() for s in new),
                          lo.data_ptr(), hi.data_ptr(), addr, torch.get_num_threads()):
-        return False  # a miss: nothing written; the general path's two-pass update runs
+        # a miss, nothing written: the general path's fused attempt would miss again
+        obs._pass[0] = MISSED
+        return False
     obs._pass[1] = x.shape  # as the general forward leaves it
     torch.minimum(slo, lo, out=slo)  # the min / max state as _observe updates it
     torch.maximum(shi, hi, out=shi)

@@ -58,7 +58,7 @@ from ..stats.histogram_sync import HistogramSync
 from ..stats.minmax_layouts import unpad_minmax_
 from . import record
 from .base import Observer
-from .hist_step import cpu_step
+from .hist_step import MISSED, cpu_step
 from .histogram_ema import WINDOW, IntervalAverage
 from .histogram_estimate import ScaledEstimate
 from .registry import register
@@ -122,7 +122,8 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         self._register_window()
         self._pending = 0  # a Python mirror of ``pending``: forward never reads it back
         # [(units, their contiguous copy, the fused pass's state or None, their padded parts)]
-        # from _unit_minmax, for _observe, and the shape forward read (a list: no setattr)
+        # from _unit_minmax, for _observe (or the cached step's MISSED, for _unit_minmax),
+        # and the shape forward read (a list: no setattr)
         self._pass = [None, None]
 
     def _sized_buffers(self):
@@ -183,8 +184,9 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         self._check_size(count)
         # one read of the batch for a one-unit histogram: the min / max and the histogram
         # update together (stats.hist_kernel.fused_update); strided units (a channel axis
-        # that is not the first) copied once for both passes. Kept for _observe.
-        self._pass[0] = None
+        # that is not the first) copied once for both passes. Kept for _observe. Not tried
+        # where the cached step's same fused call just missed on this batch (MISSED).
+        missed, self._pass[0] = self._pass[0] is MISSED, None
         if self.sync_every_step:  # step_sync takes this rank's real lo / hi and padding
             lo, hi = super()._unit_minmax(units, count, ends)
             self._step_zeros = H.padding_zeros(units, self._padding(units, lo, hi))
@@ -193,7 +195,7 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         if units.device.type == "cpu" and not units.is_contiguous():
             dense = units.contiguous()
         new = None
-        if count == 1 and self.grid == "pow2":
+        if count == 1 and self.grid == "pow2" and not missed:
             # the state _observe would update (a first batch, or after a reset: empty)
             state = self._state() if self.min_vals.shape[0] == 1 and \
                 self.hist_counts.shape[0] == 1 else H.empty_state(1, self.bins)
