@@ -168,6 +168,21 @@ def test_a_miss_reads_the_batch_in_one_fused_call(dtype, monkeypatch):
     assert bool(obs.seen_non_finite)
 
 
+@pytest.mark.parametrize("made_in_inference_mode", [True, False])
+def test_an_error_leaves_the_general_paths_state(made_in_inference_mode):
+    """An input the layout refuses (its check runs where the cached step plans a new input):
+    the same error, and the general path's state: its forward leaves inference mode before
+    its checks (buffers made under torch.inference_mode, as calibrate makes them, become
+    normal tensors) and records the shape it read (``_pass[1]``) first."""
+    spec = QuantSpec("int8", Channel(1))
+    with torch.inference_mode(made_in_inference_mode):
+        obs, twin = pair("percentile", spec)
+    assert obs.hist_counts.is_inference() == made_in_inference_mode
+    assert call(obs, g(0, 8)) == call(twin, g(0, 8)) is not None
+    same_state(obs, twin)
+    assert not obs.hist_counts.is_inference()
+
+
 def test_not_taken_where_the_general_path_differs(monkeypatch):
     """float64, strided or empty input, several units, the first call, the reference
     grid, the EMA mode, skipped zeros, ignored NaN / inf, an instance or class step, the

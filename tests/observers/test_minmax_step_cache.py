@@ -136,6 +136,27 @@ def test_inference_mode_state_and_grad_input():
     assert not obs.min_vals.is_inference()
 
 
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_an_error_leaves_inference_mode_as_the_general_path(ema):
+    """Buffers made under torch.inference_mode (as calibrate makes them), then outside it an
+    input the layout refuses (its check runs where the cached step plans a new input): the
+    same error, and the general path's state, whose forward leaves inference mode before
+    its checks (the buffers normal tensors, not inference ones)."""
+    cls = MovingAverageMinMaxObserver if ema else StaticMinMaxObserver
+    with torch.inference_mode():
+        obs, twin = cls(QuantSpec("int8", Channel(1))), cls(QuantSpec("int8", Channel(1)))
+    twin.cached_cpu_step = False  # (the same class: the same message)
+    errors = []
+    for o in (obs, twin):
+        with pytest.raises(ValueError, match="out of range") as err:
+            o(g(0, 8))
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+    same_state(obs, twin)
+    for name, buf in obs._buffers.items():
+        assert not buf.is_inference() and not twin._buffers[name].is_inference(), name
+
+
 def test_copies_and_saved_observers_carry_no_cache():
     """A copy gets no cache of its original's (its scratch's address is the original's
     memory, which the copy would write into after the original is freed), nor does a saved

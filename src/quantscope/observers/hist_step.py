@@ -7,15 +7,16 @@ wrapped in ~60 us of Python per call (the checks, the layout, the state's tests,
 own tests, the ends tensor, the min / max update, the token count), where torch.ao's whole
 ``HistogramObserver`` takes ~55 us on 2K elements. Those decisions follow from the input's
 ``(shape, stride, dtype)`` and the observer's spec, so :func:`cpu_step` makes them once per
-such key (:func:`_plan`, which also runs ``check_input``: its errors are the general path's),
-and each later call only tests what can change between calls (the context, the state's
-tensors, the settings), then makes the fused kernel call the general path makes, into fresh
-state tensors that the buffers take as the general path's ``_store`` gives them: the same
-state, bit for bit, the same tensor versions, flags and counts. A miss of the fused pass (a
-value outside its window, NaN / inf, an empty state) changes nothing but ``obs._pass[0]``
-(:data:`MISSED`), and the general path runs with its two-pass update: its own fused attempt
-would read the batch again to miss again. Anything else this step does not take returns
-False, nothing changed: the general path runs.
+such key (:func:`_plan`, which also runs ``leave_inference_mode`` and ``check_input``, as
+forward's first steps: its errors are the general path's, in its state), and each later call
+only tests what can change between calls (the context, the state's tensors, the settings),
+then makes the fused kernel call the general path makes, into fresh state tensors that the
+buffers take as the general path's ``_store`` gives them: the same state, bit for bit, the
+same tensor versions, flags and counts. A miss of the fused pass (a value outside its window,
+NaN / inf, an empty state) changes nothing but ``obs._pass[0]`` (:data:`MISSED`), and the
+general path runs with its two-pass update: its own fused attempt would read the batch again
+to miss again. Anything else this step does not take returns False, nothing changed: the
+general path runs.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def _takes_class(cls: type, base: type) -> bool:
 def _plan(obs, x: torch.Tensor) -> tuple[int, int] | None:
     """``(elements, tokens)`` where the general forward reads ``x`` (float32, bf16, fp16) as
     one unit of its own contiguous memory (the fused pass's input); None where it does
-    something else.
-    Raises what ``check_input`` raises (the general path's first check)."""
+    something else. Raises what ``check_input`` raises, after ``leave_inference_mode``: the
+    general forward's first two steps (its error leaves the general path's state)."""
+    obs.leave_inference_mode()
     if not obs.check_input(x) or x.dtype not in _DTYPES or not x.is_contiguous():
         return None  # empty, float64 (its range check reads values), strided: general path
     layout = obs.spec.layout
@@ -177,7 +179,6 @@ def cpu_step(obs, x, base: type) -> bool:
         # a miss, nothing written: the general path's fused attempt would miss again
         obs._pass[0] = MISSED
         return False
-    obs._pass[1] = x.shape  # as the general forward leaves it
     torch.minimum(slo, lo, out=slo)  # the min / max state as _observe updates it
     torch.maximum(shi, hi, out=shi)
     for buf, value in zip(state, new):  # _store's eager CPU swap: the buffers keep their ids

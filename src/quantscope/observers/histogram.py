@@ -175,9 +175,9 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x):
+        self._pass[1] = getattr(x, "shape", None)  # which units are padded (_padding)
         if cpu_step(self, x, HistogramObserverBase):  # one C pass, its decisions cached
             return x
-        self._pass[1] = getattr(x, "shape", None)  # which units are padded (_padding)
         return super().forward(x)
 
     def _unit_minmax(self, units, count, ends):

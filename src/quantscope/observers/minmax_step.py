@@ -5,12 +5,12 @@
 where the pass over a small batch takes 1-5 us, and torch.ao's whole ``MinMaxObserver`` 14.
 Those decisions follow from the input's ``(shape, stride, dtype)`` and the observer's spec,
 so :func:`cpu_step` makes them once per such key (:func:`_plan`, which also runs
-``check_input``: its errors are the general path's) and each later call with that key only
-tests what can change between calls (the context, the state's tensors, the settings), then
-runs the same fused kernel call the general path makes: the same state, bit for bit, the
-same versions bumped, the same flag and count. Anything else, or a test failing, returns
-False: the general path runs (and raises whatever it raises). The plan cache is
-:mod:`.step_cache`'s.
+``leave_inference_mode`` and ``check_input``, as forward's first steps: its errors are the
+general path's, in its state) and each later call with that key only tests what can change
+between calls (the context, the state's tensors, the settings), then runs the same fused
+kernel call the general path makes: the same state, bit for bit, the same versions bumped,
+the same flag and count. Anything else, or a test failing, returns False: the general path
+runs (and raises whatever it raises). The plan cache is :mod:`.step_cache`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def _row_view(layout, shape) -> bool:
 def _plan(obs, x: torch.Tensor) -> tuple[int, int, int] | None:
     """``(units, elements, dtype code)`` the fused kernel reads ``x``'s memory as, where the
     general forward would make that one call; None where it does something else. Raises what
-    ``check_input`` raises (the general path's first check)."""
+    ``check_input`` raises, after ``leave_inference_mode``: the general forward's first two
+    steps (its error leaves the general path's state)."""
+    obs.leave_inference_mode()
     if not obs.check_input(x) or x.dtype not in KERNEL_DTYPES or not x.is_contiguous():
         return None  # empty, float64 (its range check reads values), strided: general path
     layout = obs.spec.layout
