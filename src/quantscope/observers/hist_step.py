@@ -22,7 +22,6 @@ general path runs.
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 from torch.autograd.graph import increment_version
@@ -78,7 +77,8 @@ def _plan(obs, x: torch.Tensor) -> tuple[int, int] | None:
 def _scratch(obs):
     """This observer's scratch: ``(lo, hi, address of the ends, ends)``: a batch's ``[1]``
     float32 min / max (read into the state by ``torch.minimum`` / ``maximum``, as the general
-    path's fresh pair is, and kept by nothing) and 2 floats for the ends."""
+    path's fresh pair is, and kept by nothing) and 2 floats for the ends (unread: a hit's are
+    finite)."""
     s = obs.__dict__.get("_hist_scratch")
     if s is None:
         ends = (ctypes.c_float * 2)()
@@ -170,7 +170,7 @@ def cpu_step(obs, x, base: type) -> bool:
     new = (torch.zeros(1, B, dtype=_I64), torch.empty(1, dtype=_I64),
            torch.empty(1, dtype=_I64), torch.empty(1, dtype=_F32, device=_CPU),
            torch.empty(1, dtype=_F32, device=_CPU))
-    lo, hi, addr, ends = _scratch(obs)
+    lo, hi, addr, _ = _scratch(obs)
     # bf16 / fp16: a float32 copy, as fused_update reads them (hist_kernel.widens)
     src = x if x.dtype == _F32 else (x.detach() if x.requires_grad else x).float()
     if lib.qs_hist_fused(src.data_ptr(), plan[0], B, int(obs._absolute),
@@ -183,8 +183,8 @@ def cpu_step(obs, x, base: type) -> bool:
     torch.maximum(shi, hi, out=shi)
     for buf, value in zip(state, new):  # _store's eager CPU swap: the buffers keep their ids
         buf.data = value
-    if not (math.isfinite(ends[0]) and math.isfinite(ends[1])):  # (record_ends)
-        bufs["seen_non_finite"].fill_(True)
+    # (a hit read every value inside the window: no NaN / inf, finite ends; seen_non_finite
+    # stays as record_ends leaves it)
     _count(bufs["observed_tokens"], plan[1])
     if new_shape:
         obs.set_shape(x.shape)
