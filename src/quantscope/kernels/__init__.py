@@ -57,8 +57,8 @@ from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, 
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
-           "lib", "load", "out_buffers", "plain", "qparams_consts", "read", "real", "real_tensor",
-           "set_streaming", "streaming", "threads", "writable", "write", "wrote"]
+           "lib", "load", "out_buffers", "plain", "plain_tensor", "qparams_consts", "read", "real",
+           "real_tensor", "set_streaming", "streaming", "threads", "writable", "write", "wrote"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -332,7 +332,13 @@ def real_tensor(t: torch.Tensor) -> bool:
 def plain(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a kernel can read and write ``t``'s memory as it is: a contiguous CPU tensor
     of ``dtype`` that is :func:`real`."""
-    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and real(t)
+    return real() and plain_tensor(t, dtype)  # (the context first: Dynamo folds it)
+
+
+def plain_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """:func:`plain`'s test of one tensor, the context aside (callers that test it apart:
+    a state of several tensors tests it once)."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and real_tensor(t)
 
 
 def writable(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
@@ -383,12 +389,13 @@ def write(t: torch.Tensor, *values) -> None:
     increment_version(t)
 
 
-def add(t: torch.Tensor, value: int) -> bool:
+def add(t: torch.Tensor, value: int, context: bool = True) -> bool:
     """Add the integer ``value`` to the first element of an int64 counter ``t`` through its
     memory, as :func:`write` of :func:`read` plus ``value`` (one check, one view: an
     observer's token count on each call); False, nothing done, where ``t`` is not a
-    :func:`plain` int64 tensor (the caller adds with a torch op)."""
-    if not (plain(t, torch.int64) and t.numel()):
+    :func:`plain` int64 tensor (the caller adds with a torch op). ``context=False``: the
+    caller tested the context (:func:`real`), only ``t`` is (:func:`plain_tensor`)."""
+    if not ((not context or real()) and plain_tensor(t, torch.int64) and t.numel()):
         return False
     ctypes.c_int64.from_address(t.data_ptr()).value += value
     increment_version(t)

@@ -12,11 +12,13 @@ forward's first steps: its errors are the general path's, in its state), and eac
 only tests what can change between calls (the context, the state's tensors, the settings),
 then makes the fused kernel call the general path makes, into fresh state tensors that the
 buffers take as the general path's ``_store`` gives them: the same state, bit for bit, the
-same tensor versions, flags and counts. A miss of the fused pass (a value outside its window,
-NaN / inf, an empty state) changes nothing but ``obs._pass[0]`` (:data:`MISSED`), and the
-general path runs with its two-pass update: its own fused attempt would read the batch again
-to miss again. Anything else this step does not take returns False, nothing changed: the
-general path runs.
+same tensor versions, flags and counts. The tests are the general path's own (the observer's
+``leave_inference_mode`` and ``_check_size``, ``hist_kernel.state_ok``, ``kernels.add``,
+``stats.histogram.STATE_BUFFERS``), called with the context tested once. A miss of the fused
+pass (a value outside its window, NaN / inf, an empty state) changes nothing but
+``obs._pass[0]`` (:data:`MISSED`), and the general path runs with its two-pass update: its
+own fused attempt would read the batch again to miss again. Anything else this step does not
+take returns False, nothing changed: the general path runs.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch.autograd.graph import increment_version
 
 from .. import kernels
 from ..stats import hist_kernel
+from ..stats.histogram import STATE_BUFFERS
 from .base import tokens_of
 from .step_cache import cached_plan
 
@@ -44,8 +46,6 @@ _classes: dict[type, bool] = {}
 #: what :func:`cpu_step` leaves in ``obs._pass[0]`` where its fused C call missed: the general
 #: path's ``_unit_minmax`` (which consumes it) then goes straight to the two-pass update
 MISSED = ("missed",)
-_STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
-_REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
 _F32, _I64, _CPU = torch.float32, torch.int64, torch.device("cpu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (bf16 / fp16: hist_kernel.widens)
 
@@ -88,56 +88,18 @@ def _scratch(obs):
     return s
 
 
-def _plain(t: torch.Tensor, n: int, dtype: torch.dtype) -> bool:
-    """A state tensor the fused pass reads: ``n`` elements of ``dtype``, contiguous on the CPU,
-    :func:`~quantscope.kernels.real_tensor` (the context is tested once per call)."""
-    return (t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.numel() == n
-            and kernels.real_tensor(t))
-
-
-def _state(bufs, B: int):
-    """The histogram state ``(counts, exp, first, lo, hi)`` where the fused pass takes it (one
-    unit of ``B`` bins, as ``hist_kernel.fused_update`` tests it), else None."""
-    counts, exp, first, lo, hi = state = [bufs[n] for n in _STATE]
-    if (counts.shape == (1, B) and exp.shape == first.shape == lo.shape == hi.shape == (1,)
-            and _plain(counts, B, _I64) and _plain(exp, 1, _I64) and _plain(first, 1, _I64)
-            and _plain(lo, 1, _F32) and _plain(hi, 1, _F32)):
-        return state
-    return None
-
-
 def _takes_call(obs, x, base: type) -> bool:
     """The per-call tests of the class, the settings and the input that need no plan."""
     cls = type(obs)
     takes = _classes.get(cls)
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
-    return (takes and type(x) in _REAL and x.is_cpu and x.layout == torch.strided
+    return (takes and kernels.real_tensor(x) and x.is_cpu and x.layout == torch.strided
             and (x.dtype == _F32 or hist_kernel.widens(x))
             and obs.non_finite == "error" and obs.grid == "pow2"
             and not obs.sync_every_step and obs.averaging_constant is None
             and not obs.skip_zeros and obs.cached_cpu_step and obs.accumulates
             and _STEPS.isdisjoint(obs.__dict__))
-
-
-def _leave_inference_mode(obs, bufs) -> None:
-    """``obs.leave_inference_mode()`` where it has work (a buffer made under
-    ``torch.inference_mode``, outside it): its loop, without the call, is most calls' cost."""
-    if not torch.is_inference_mode_enabled():
-        for buf in bufs.values():
-            if buf is not None and buf.is_inference():
-                obs.leave_inference_mode()
-                return
-
-
-def _count(counter: torch.Tensor, tokens: int) -> None:
-    """``kernels.add(counter, tokens)`` (else ``add_``), the context already tested."""
-    if (counter.dtype == _I64 and counter.is_cpu and counter.is_contiguous() and counter.numel()
-            and kernels.real_tensor(counter)):
-        ctypes.c_int64.from_address(counter.data_ptr()).value += tokens
-        increment_version(counter)
-    else:
-        counter.add_(tokens)
 
 
 def cpu_step(obs, x, base: type) -> bool:
@@ -147,7 +109,7 @@ def cpu_step(obs, x, base: type) -> bool:
     changed (a fused-pass miss: :data:`MISSED` left for the general path)."""
     # the context first (None: no kernel, or a trace / compile / fake mode): Dynamo folds it
     lib = hist_kernel._kernel()
-    if lib is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
+    if lib is None or not _takes_call(obs, x, base):
         return False
     plan = cached_plan(obs, x, "_hist_plans", _plan)
     if plan is None:
@@ -156,15 +118,19 @@ def cpu_step(obs, x, base: type) -> bool:
     new_shape = last != x.shape
     if new_shape and last is not None and obs.spec.layout.num_units(last) != 1:
         return False  # the general path says what is wrong
+    obs.leave_inference_mode()  # (first: it may replace buffers)
     bufs = obs._buffers
-    _leave_inference_mode(obs, bufs)  # (first: it may replace buffers)
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     B = bufs["hist_counts"].shape[-1]
     if (slo.shape != (1,) or shi.shape != (1,) or not 1 <= B <= hist_kernel.MAX_BINS
-            or obs.bins * 8 > obs.max_hist_bytes or not bufs["seen_non_finite"].is_cpu):
+            or not bufs["seen_non_finite"].is_cpu):
         return False  # a first call sizes the state; the general path checks the rest
-    state = _state(bufs, B)
-    if state is None:
+    try:
+        obs._check_size(1)
+    except ValueError:
+        return False  # the general path raises it
+    state = [bufs[n] for n in STATE_BUFFERS]
+    if not hist_kernel.state_ok(state, 1, B):  # (the context: tested above)
         return False
     # the fresh state hist_kernel.fused_update makes (the buffers then take it: _store)
     new = (torch.zeros(1, B, dtype=_I64), torch.empty(1, dtype=_I64),
@@ -185,7 +151,9 @@ def cpu_step(obs, x, base: type) -> bool:
         buf.data = value
     # (a hit read every value inside the window: no NaN / inf, finite ends; seen_non_finite
     # stays as record_ends leaves it)
-    _count(bufs["observed_tokens"], plan[1])
+    tokens = bufs["observed_tokens"]
+    if not kernels.add(tokens, plan[1], context=False):  # (count_batch's direct count)
+        tokens.add_(plan[1])
     if new_shape:
         obs.set_shape(x.shape)
     return True

@@ -72,7 +72,7 @@ __all__ = [
     "PercentileObserver",
 ]
 
-_STATE = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
+_STATE = H.STATE_BUFFERS
 
 
 class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):

@@ -57,7 +57,9 @@ from torch.autograd.graph import increment_version
 from .. import kernels
 from .minmax import MINMAX_DTYPES
 
-__all__ = ["bin_values", "fused_update", "regrid", "widens"]
+__all__ = ["bin_values", "fused_update", "regrid", "state_ok", "widens"]
+
+_I64, _F32 = torch.int64, torch.float32
 
 
 #: bins above which the kernels are not used: a thread's scratch is 8 int32 copies of the
@@ -134,11 +136,17 @@ def _bin_pieces(lib, counts, units, exp, first, absolute, threads) -> None:
             _bin(lib, counts[r:end], dense, exp[r:end], first[r:end], absolute, threads)
 
 
-def _state_ok(state, U, B) -> bool:
+def state_ok(state, U: int, B: int) -> bool:
+    """Whether the kernels read (and write) the histogram state ``(counts, exp, first, lo,
+    hi)`` as it is: int64 ``[U, B]``, int64 ``[U]`` twice, float32 ``[U]`` twice, each
+    :func:`~quantscope.kernels.plain_tensor`. The context (:func:`~quantscope.kernels.real`)
+    is the caller's to test: this module's through :func:`_kernel` (None where it is not
+    real), ``observers/hist_step.py`` once per call."""
     counts, exp, first, lo, hi = state
-    return (counts.shape == (U, B) and all(t.shape == (U,) for t in (exp, first, lo, hi))
-            and all(kernels.plain(t, torch.int64) for t in (counts, exp, first))
-            and kernels.plain(lo) and kernels.plain(hi))
+    plain = kernels.plain_tensor
+    return (counts.shape == (U, B) and exp.shape == first.shape == lo.shape == hi.shape == (U,)
+            and plain(counts, _I64) and plain(exp, _I64) and plain(first, _I64)
+            and plain(lo, _F32) and plain(hi, _F32))
 
 
 def _new_state(counts):
@@ -155,7 +163,7 @@ def regrid(state, lo: torch.Tensor, hi: torch.Tensor, absolute: bool, inplace: b
     devices), and nothing was modified."""
     lib = _kernel()
     U, B = state[0].shape
-    if (lib is None or B < 1 or not _state_ok(state, U, B) or lo.shape != (U,)
+    if (lib is None or B < 1 or not state_ok(state, U, B) or lo.shape != (U,)
             or hi.shape != (U,) or not kernels.plain(lo, torch.float32)
             or not kernels.plain(hi, torch.float32)
             or inplace and not all(kernels.writable(t, t.dtype) for t in state)):
@@ -184,7 +192,7 @@ def fused_update(state, units: torch.Tensor, absolute: bool, threads: int | None
         units = units.float()  # exact: every value is a float32 (one piece: HALF_PIECE)
     B = state[0].shape[1]
     if (not 1 <= B <= MAX_BINS or units.requires_grad or not kernels.plain(units, torch.float32)
-            or not _state_ok(state, 1, B)):
+            or not state_ok(state, 1, B)):
         return None
     if ends is not None and (ends.shape != (2,) or not kernels.writable(ends, torch.float32)):
         return None  # the caller reads its ends: the torch path writes them (or says why not)

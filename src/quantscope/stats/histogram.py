@@ -44,9 +44,10 @@ import torch
 from .._numerics import as_float32
 from . import hist_kernel
 
-__all__ = ["E_MAX", "E_MIN", "Hist", "HistState", "add_values", "binned_counts", "check_state",
-           "empty_state", "fold_abs", "grid_exponent", "grid_first", "linear_counts", "merge",
-           "normal_width", "padding_zeros", "pow2", "rebin", "scaled", "update", "view"]
+__all__ = ["E_MAX", "E_MIN", "STATE_BUFFERS", "Hist", "HistState", "add_values", "binned_counts",
+           "check_state", "empty_state", "fold_abs", "grid_exponent", "grid_first",
+           "linear_counts", "merge", "normal_width", "padding_zeros", "pow2", "rebin", "scaled",
+           "update", "view"]
 
 E_MIN, E_MAX = -126, 126  # 2**e and 2**-e both normal float32
 _MAG_BITS = 22  # bin indices stay below 2**23: exact in float32 and int32
@@ -97,6 +98,11 @@ class HistState(NamedTuple):
     first: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+
+
+#: the buffers a histogram observer keeps its :class:`HistState` in, in its order (the
+#: observers' and their cached CPU step's one list)
+STATE_BUFFERS = ("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi")
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
