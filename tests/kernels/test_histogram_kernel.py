@@ -356,3 +356,55 @@ def test_fused_forward_reads_nothing_back(forbid_host_sync, monkeypatch, cached)
         assert not calls and "_hist_plans" in o.__dict__
     else:
         assert calls and all(calls)
+
+
+def _torch_path(state, x, absolute, monkeypatch):
+    """:func:`_unfused` with the C kernels off: the torch reference alone."""
+    with monkeypatch.context() as m:
+        m.setattr(HK, "_kernel", lambda: None)
+        return _unfused(state, x.float(), absolute)
+
+
+def _fused_equals_torch(state, x, absolute, monkeypatch):
+    """The fused pass on one thread and on two hits and gives the torch reference's state,
+    min / max and ends bit for bit; the reference's state."""
+    ref, lo, hi = _torch_path(state, x, absolute, monkeypatch)
+    for threads in (1, 2):
+        ends = torch.empty(2)
+        out = HK.fused_update(state, x, absolute, threads=threads, ends=ends)
+        assert out is not None, threads  # a hit: the path under test ran
+        assert _same(out[0], ref) and torch.equal(out[1], lo) and torch.equal(out[2], hi)
+        assert torch.equal(ends, torch.cat([lo, hi]))
+    return ref
+
+
+@pytest.mark.parametrize("B, absolute", [(16384, False), (32768, True)])
+def test_fused_direct_count_split_over_threads(B, absolute, monkeypatch):
+    """70001 values: split over threads (65536 and more), each span counted straight into its
+    own int64 window (fewer than 2x the window's 3B, |x|: 2B, bins), the windows then summed:
+    only B >= 10923 (|x|: 16385) leaves such a batch under 2x its window (review s50 h: no
+    other test reached it)."""
+    g = torch.Generator().manual_seed(3)
+    n = 70_001
+    state, _, _ = _torch_path(H.empty_state(1, B), torch.randn(1, n, generator=g), absolute,
+                              monkeypatch)
+    for scale, kind, dtype in ((0.3, "normal", torch.float32), (0.3, "edges", torch.float32),
+                               (1.0, "normal", torch.bfloat16), (-1.2, "tiny", torch.float32)):
+        x = (_data(g, (1, n), kind) * scale).to(dtype)
+        state = _fused_equals_torch(state, x, absolute, monkeypatch)
+
+
+@pytest.mark.parametrize("B, absolute, n", [
+    (2048, False, 30_000),  # a first batch's window: 8B bins (|x|: 4B), direct below 2x
+    (4096, True, 30_000),
+    (8192, False, 70_001),  # and split over threads
+])
+def test_fused_first_batch_direct_count(B, absolute, n, monkeypatch):
+    """An empty state's fused pass (16K values and more) on fewer values than 2x its window's
+    bins: counted straight into the window, as a sized state's short batch is (no other test
+    reached it: the observers' tests use 2048 bins and the first-batch test 100000 values)."""
+    g = torch.Generator().manual_seed(4)
+    for kind, dtype in (("normal", torch.float32), ("edges", torch.float32),
+                        ("normal", torch.bfloat16)):
+        x = _data(g, (1, n), kind).to(dtype)
+        _fused_equals_torch(H.empty_state(1, B), x, absolute, monkeypatch)
