@@ -34,7 +34,8 @@ first width instead, up to ``GROW_LIMIT x bins``: ``_append_bins``); exact from 
 On CPU the native grid's update runs in C (:mod:`quantscope.stats.hist_kernel`, bitwise equal
 to the torch path): a one-unit (per-tensor) histogram takes the min / max and updates its counts
 in one read of the batch (``_unit_minmax`` runs the fused pass, ``_observe`` takes its state);
-a float32 batch's call is one C call, its decisions cached per input (:mod:`.hist_step`).
+a float32 batch's call (bf16 / fp16: up to ``HALF_PIECE`` values) is one C call, its decisions
+cached per input (:mod:`.hist_step`; where that call misses, the two-pass update follows).
 """
 
 from __future__ import annotations
