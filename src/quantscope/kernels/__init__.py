@@ -57,8 +57,9 @@ from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, 
 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
-           "lib", "load", "out_buffers", "plain", "plain_tensor", "qparams_consts", "read", "real",
-           "real_tensor", "set_streaming", "streaming", "threads", "writable", "write", "wrote"]
+           "flat_f32", "lib", "load", "out_buffers", "plain", "plain_tensor", "qparams_consts",
+           "read", "real", "real_tensor", "set_streaming", "streaming", "threads", "writable",
+           "write", "wrote"]
 
 #: the C sources and headers (package data)
 CSRC = Path(__file__).resolve().with_name("csrc")
@@ -282,10 +283,16 @@ def out_buffers(n: int, out_for=None) -> tuple[torch.Tensor, torch.Tensor]:
     large result) where a kernel can write them as they are (contiguous ``[n]`` float32 CPU
     tensors, :func:`real`), else two new :func:`buffer` s. :func:`wrote` after the call."""
     out = None if out_for is None else out_for(n)
-    if out is not None and all(t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu
-                               and t.is_contiguous() for t in out) and real(*out):
+    if out is not None and flat_f32(n, *out) and real(*out):
         return out
     return buffer(n), buffer(n)
+
+
+def flat_f32(n: int, *ts: torch.Tensor) -> bool:
+    """Whether each of ``ts`` is a contiguous ``[n]`` float32 CPU tensor, as a kernel writes
+    ``n`` float32s (:func:`real` aside: hot paths test it once for all their tensors)."""
+    return all(t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+               for t in ts)
 
 
 def wrote(out: tuple[torch.Tensor, ...], failed: int) -> tuple[torch.Tensor, ...] | None:

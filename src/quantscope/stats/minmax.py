@@ -237,12 +237,6 @@ def _takes_out(out, U: int, units: torch.Tensor) -> bool:
     return same and lo.is_contiguous() and hi.is_contiguous()
 
 
-def _plain_f32(n: int, *ts: torch.Tensor) -> bool:
-    """Whether the kernel can write each of ``ts`` as ``n`` float32s (contiguous ``[n]`` CPU)."""
-    return all(t.shape == (n,) and t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
-               for t in ts)
-
-
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,8 +261,8 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     lib = None
     # (the cheap tests first: a hot path) the kernel's inputs and outputs must be plain CPU
     # float32 of its shapes, and have memory (not a fake, a vmap tensor or a trace: real())
-    if _kernel_reads(units, step) and (ends is None or _plain_f32(2, ends)) and (
-            update is None or _plain_f32(U, *update[2:])) and \
+    if _kernel_reads(units, step) and (ends is None or kernels.flat_f32(2, ends)) and (
+            update is None or kernels.flat_f32(U, *update[2:])) and \
             kernels.real(units, *(out or ()), *(() if update is None else update[2:]),
                          *(() if ends is None else (ends,))):
         lib = _kernel()
