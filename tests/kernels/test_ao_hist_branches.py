@@ -57,3 +57,27 @@ def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
             branch.qs_ao_minmax(x.data_ptr(), n, ra.data_ptr(), threads)
             native.qs_ao_minmax(x.data_ptr(), n, rb.data_ptr(), threads)
             assert torch.equal(ra, rb) or (ra.isnan() == rb.isnan()).all()
+
+
+@pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
+def test_branch_int64_histc_equals_the_native_build(march, flag, tmp_path):
+    """qs_ao_histc64 (the first-grid histograms' histc of |x| or x into int64 counts; the
+    native build is checked against linear_counts in tests/compat/test_modelopt_first_step.py)
+    on the scalar and AVX2 branches."""
+    if not cpu_has(flag):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    branch, native = build("ao_hist", march, tmp_path), ao_histogram._kernel()
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 15, 17, 4099, 600_001):  # the last on 2 threads
+        x = torch.randn(n, generator=g) * 3
+        x[: n // 5] = -2.0  # |x| on an edge
+        x[n // 5: n // 4] = -0.0
+        if n > 100:
+            x[50], x[-3] = 9.0, float("nan")  # outside, and NaN (neither counted)
+        for absolute, lo in ((1, 0.0), (0, -2.0)):
+            for threads in (1, 2):
+                a, b = (torch.full((777,), 3, dtype=torch.int64) for _ in range(2))
+                for so, counts in ((branch, a), (native, b)):
+                    assert so.qs_ao_histc64(x.data_ptr(), n, lo, 2.5, 777, counts.data_ptr(),
+                                            absolute, threads) == 0
+                assert torch.equal(a, b)

@@ -118,6 +118,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
                         ctypes.c_float, ctypes.c_float, _P, _I],
         "qs_ao_fused": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P, _I],
         "qs_ao_minmax": [_P, _I, _P, _I],
+        "qs_ao_histc64": [_P, _I, ctypes.c_float, ctypes.c_float, _I, _P, _I, _I],
     },
     "block_qparams": {
         "qs_e8m0_qparams": [_P, _P, _I, _I, _I, _I, _D, _P],

@@ -1,6 +1,7 @@
 /* Called from quantscope.stats.ao_histogram through quantscope.kernels; that module's doc says
    what it computes (torch.ao HistogramObserver's histogram) and tests compare it with its
-   torch reference (torch.ao's own ops) bit for bit. */
+   torch reference (torch.ao's own ops) bit for bit. qs_ao_histc64 is the int64 histc of the
+   first-grid histograms (quantscope.stats.histogram.linear_counts' torch.histc). */
 #include "qs_threads.h"
 #include <stdint.h>
 #include <stdlib.h>
@@ -101,11 +102,13 @@ static void track_done(const track_t *t, float *mm) {
     mm[1] = nan ? NAN : mx;
 }
 
-/* the bins of x[0, 16) into r[16]; with tr, their min / max too (track_v) */
+/* the bins of x[0, 16) into r[16] (ab: of |x|, a constant of each caller); with tr, their
+   min / max too (track_v) */
 static inline __attribute__((always_inline)) void
-index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
+index16(const float *x, const grid_t *g, int32_t *r, track_t *tr, int ab) {
 #if defined(__AVX512F__)
-    const __m512 v = _mm512_loadu_ps(x), lo = _mm512_set1_ps(g->lo);
+    const __m512 raw = _mm512_loadu_ps(x), lo = _mm512_set1_ps(g->lo);
+    const __m512 v = ab ? _mm512_abs_ps(raw) : raw;
     const __m512 p = _mm512_div_ps(_mm512_mul_ps(_mm512_sub_ps(v, lo), _mm512_set1_ps(g->bf)),
                                    _mm512_set1_ps(g->d));
     const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(p), _mm512_set1_epi32(g->last));
@@ -116,8 +119,10 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
 #elif defined(__AVX2__)
     const __m256 lo = _mm256_set1_ps(g->lo), hi = _mm256_set1_ps(g->hi);
     const __m256 bf = _mm256_set1_ps(g->bf), d = _mm256_set1_ps(g->d);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int h = 0; h < 16; h += 8) {
-        const __m256 v = _mm256_loadu_ps(x + h);
+        const __m256 raw = _mm256_loadu_ps(x + h);
+        const __m256 v = ab ? _mm256_andnot_ps(sign, raw) : raw;
         const __m256 p = _mm256_div_ps(_mm256_mul_ps(_mm256_sub_ps(v, lo), bf), d);
         const __m256i k = _mm256_min_epi32(_mm256_cvttps_epi32(p), _mm256_set1_epi32(g->last));
         const __m256 in = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ),
@@ -128,7 +133,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
     }
 #else
     for (int q = 0; q < 16; ++q) {
-        const float v = x[q];
+        const float v = ab ? fabsf(x[q]) : x[q];
         if (v >= g->lo && v <= g->hi) {
             const int32_t k = (int32_t)((v - g->lo) * g->bf / g->d); /* in [0, B] */
             r[q] = k > g->last ? g->last : k;
@@ -145,7 +150,7 @@ index16(const float *x, const grid_t *g, int32_t *r, track_t *tr) {
    are counted (one scalar increment each, the bound), so the two overlap; counting straight
    from a fresh store would wait on it. With tr, the min / max of x too. */
 static inline __attribute__((always_inline)) void
-count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
+count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr, int ab) {
     int32_t ring[LAG][16] __attribute__((aligned(64)));
     const int64_t blocks = n / 16;
     if (n > 16 * blocks) { /* the tail, padded with its first value (the same min / max) */
@@ -153,7 +158,7 @@ count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
         float tail[16];
         int32_t r[16] __attribute__((aligned(64)));
         for (int64_t q = 0; q < 16; ++q) tail[q] = x[16 * blocks + (q < rem ? q : 0)];
-        index16(tail, g, r, tr);
+        index16(tail, g, r, tr, ab);
         for (int64_t q = 0; q < rem; ++q) cp[r[q]]++;
     }
     /* last block first: a batch just read front to back (for its min / max) still has its
@@ -163,7 +168,7 @@ count(const float *x, int64_t n, const grid_t *g, int32_t *cp, track_t *tr) {
         if (i >= LAG)
             for (int q = 0; q < 16; ++q) cp[r[q]]++;
         prefetch(x + 16 * (blocks - 1 - i), -PF_BYTES);
-        index16(x + 16 * (blocks - 1 - i), g, r, tr);
+        index16(x + 16 * (blocks - 1 - i), g, r, tr, ab);
     }
     for (int64_t t = blocks > LAG ? blocks - LAG : 0; t < blocks; ++t)
         for (int q = 0; q < 16; ++q) cp[ring[t % LAG][q]]++;
@@ -180,13 +185,19 @@ typedef struct {
 
 static void *count_plain(void *a) {
     job_t *j = (job_t *)a;
-    count(j->x, j->n, j->g, j->cp, NULL);
+    count(j->x, j->n, j->g, j->cp, NULL, 0);
+    return NULL;
+}
+
+static void *count_abs(void *a) { /* the bins of |x| */
+    job_t *j = (job_t *)a;
+    count(j->x, j->n, j->g, j->cp, NULL, 1);
     return NULL;
 }
 
 static void *count_track(void *a) {
     job_t *j = (job_t *)a;
-    count(j->x, j->n, j->g, j->cp, &j->tr);
+    count(j->x, j->n, j->g, j->cp, &j->tr, 0);
     return NULL;
 }
 
@@ -295,14 +306,17 @@ int64_t qs_ao_minmax(const float *x, int64_t n, float *mm, int64_t threads) {
    n >= 2**24 (torch's float32 counts saturate there). For x in [lo, hi], x - lo <= d and
    (x - lo) * B <= d * B in float32 (rounding is monotonic): a finite d * B rules overflow out,
    and the hot loop needs no clamp. */
-static int grid(float lo, float hi, int64_t n, int64_t B, grid_t *g) {
+static int grid_of(float lo, float hi, int64_t B, grid_t *g) { /* (grid() but for n) */
     const float d = hi - lo;
-    if (!(lo < hi) || !isfinite(d) || n >= ((int64_t)1 << 24) || B < 1 || B > (1 << 24)
-        || !isfinite(d * (float)B))
+    if (!(lo < hi) || !isfinite(d) || B < 1 || B > (1 << 24) || !isfinite(d * (float)B))
         return 0;
     g->lo = lo; g->hi = hi; g->bf = (float)B; g->d = d;
     g->last = (int32_t)B - 1; g->dump = (int32_t)B;
     return 1;
+}
+
+static int grid(float lo, float hi, int64_t n, int64_t B, grid_t *g) {
+    return n < ((int64_t)1 << 24) && grid_of(lo, hi, B, g);
 }
 
 /* out = base + torch.histc(x, B, min=lo, max=hi) (out may be base), on up to `threads`
@@ -312,6 +326,71 @@ int64_t qs_ao_histc(const float *x, int64_t n, float lo, float hi, int64_t B,
     grid_t g;
     if (!grid(lo, hi, n, B, &g)) return 1;
     return count_all(x, n, &g, threads, base, out, NULL);
+}
+
+/* counts[k]++ (int64 [B], no dump bin) for each value of x[0, n) (ab: of |x|) in the bins of
+   g, on this thread: count()'s cp[bin]++ straight into the caller's counts, a value outside
+   [lo, hi] (bin B) skipped; the same software pipeline and order. */
+static inline __attribute__((always_inline)) void
+count64(const float *x, int64_t n, const grid_t *g, int64_t *c, int ab) {
+    int32_t ring[LAG][16] __attribute__((aligned(64)));
+    const int32_t B = g->dump;
+    const int64_t blocks = n / 16;
+    if (n > 16 * blocks) { /* the tail, padded with its first value (not counted) */
+        const int64_t rem = n - 16 * blocks;
+        float tail[16];
+        int32_t r[16] __attribute__((aligned(64)));
+        for (int64_t q = 0; q < 16; ++q) tail[q] = x[16 * blocks + (q < rem ? q : 0)];
+        index16(tail, g, r, NULL, ab);
+        for (int64_t q = 0; q < rem; ++q)
+            if (r[q] < B) c[r[q]]++;
+    }
+    for (int64_t i = 0; i < blocks; ++i) { /* last block first, as count() */
+        int32_t *r = ring[i % LAG];
+        if (i >= LAG)
+            for (int q = 0; q < 16; ++q)
+                if (r[q] < B) c[r[q]]++;
+        prefetch(x + 16 * (blocks - 1 - i), -PF_BYTES);
+        index16(x + 16 * (blocks - 1 - i), g, r, NULL, ab);
+    }
+    for (int64_t t = blocks > LAG ? blocks - LAG : 0; t < blocks; ++t)
+        for (int q = 0; q < 16; ++q)
+            if (ring[t % LAG][q] < B) c[ring[t % LAG][q]]++;
+}
+
+/* counts [B] (int64) += torch.histc(ab ? |x| : x, B, min=lo, max=hi) of x[0, n) (n < 2**31:
+   no float32 count to saturate, so any batch), the first grid of quantscope's histogram
+   observers (stats/histogram.py's linear_counts, whose torch.histc of |x| it equals); on one
+   thread straight into counts, on several (2**18 values each at least, no more than the
+   bins' values a thread) each into its own int32 bins, then summed. Returns 1 (nothing
+   written) where the grid does not apply (see grid()) or out of memory. */
+int64_t qs_ao_histc64(const float *x, int64_t n, float lo, float hi, int64_t B, int64_t *counts,
+                      int64_t ab, int64_t threads) {
+    grid_t g;
+    if (n < 0 || n >= ((int64_t)1 << 31) || !grid_of(lo, hi, B, &g)) return 1;
+    const int64_t W = B + 1;
+    if (threads > n / W) threads = n / W;
+    job_t jobs[QS_MAXT];
+    threads = split(x, n, threads, jobs);
+    if (threads == 1) {
+        if (ab) count64(x, n, &g, counts, 1);
+        else count64(x, n, &g, counts, 0);
+        return 0;
+    }
+    int32_t *cp = (int32_t *)calloc((size_t)(threads * W), sizeof(int32_t));
+    if (!cp) return 1;
+    for (int64_t t = 0; t < threads; ++t) {
+        jobs[t].g = &g;
+        jobs[t].cp = cp + t * W;
+    }
+    qs_run_jobs(ab ? count_abs : count_plain, jobs, sizeof jobs[0], (int)threads);
+    for (int64_t k = 0; k < B; ++k) {
+        int64_t c = 0;
+        for (int64_t t = 0; t < threads; ++t) c += cp[t * W + k];
+        counts[k] += c;
+    }
+    free(cp);
+    return 0;
 }
 
 /* One read of x for a batch that may fall inside the current range [lo, hi]: its min / max
