@@ -40,6 +40,7 @@ Horizon's width reads 0 there: its percentile clips to 0, its KL reads linspace'
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -328,15 +329,19 @@ class AppendingFirstGrid:
     def _append_bins(self, hi) -> bool:
         # zero bins of the first width until the grid holds hi; False (the re-bin): a first
         # top of 0, non-finite data, or past the bound
-        need = self._bins_needed(hi)
-        old = self.hist_counts.shape[1]
-        limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * hi.numel()))
-        if not bool(need.isfinite()) or int(need) > limit:
+        return self._pad_to(float(self._bins_needed(hi)), hi.numel())  # (one host read)
+
+    def _pad_to(self, need: float, units: int) -> bool:
+        """Zero bins appended until the grid has ``need`` (at least ``MIN_APPEND`` more);
+        False, nothing done, where ``need`` is not finite or past the bound."""
+        counts = self._buffers["hist_counts"]
+        old = counts.shape[1]
+        limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * units))
+        if not math.isfinite(need) or int(need) > limit:
             return False
         pad = max(int(need), old + self.MIN_APPEND) - old
-        if pad:
-            self._store(("hist_counts",),
-                        (torch.nn.functional.pad(self.hist_counts, (0, pad)),))
+        if pad:  # (F.pad's op: zeros past the end)
+            self._store(("hist_counts",), (torch.constant_pad_nd(counts, (0, pad)),))
         return True
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -2,15 +2,55 @@
 its edges, ``linspace(0, max |x|, num_bins + 1)`` of the first batch, grown as its ``arange``
 of that width, its ``_calib_hist`` / ``_calib_bin_edges``, the amaxes read as its values
 (an edge, or a bin centre ``(edges[i] + edges[i + 1]) / 2``, in its float32 bits), and the
-methods' candidates on it (:meth:`ModelOptGrid._check_start_bin`)."""
+methods' candidates on it (:meth:`ModelOptGrid._check_start_bin`).
+
+A batch that grows a CPU float32 grid is counted in Python floats (:func:`bins_for`, the last
+edge from a float end: :meth:`ModelOptGrid._grow_to`), bitwise the tensor formulas ModelOpt
+uses, and the first grid's edges are kept per (max ``|x|``, bins, default dtype): each grown
+batch had cost ~15 tensor ops and 4 host reads more (general path, 1K values, one thread:
+325 -> 268 us a growing call)."""
 
 from __future__ import annotations
 
+import ctypes
+import math
+import struct
 import warnings
 
 import torch
 
-__all__ = ["ModelOptGrid"]
+from .. import kernels
+
+__all__ = ["GRID_CACHES", "ModelOptGrid"]
+
+#: the attribute the first grid's edges are kept in (:meth:`ModelOptGrid._first_grid`); never
+#: copied or pickled
+GRID_CACHES = ("_grid_cache",)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, as torch rounds; past its range: inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _scalar(t: torch.Tensor) -> float | None:
+    """The value of a one-value float32 CPU tensor with memory, read from it (no op); None
+    elsewhere (another device, a fake or traced tensor: the caller reads it with ``float``)."""
+    if t.numel() == 1 and t.dtype == torch.float32 and t.is_cpu and kernels.real_tensor(t):
+        return ctypes.c_float.from_address(t.data_ptr()).value
+    return None
+
+
+def bins_for(top: float, w: float) -> float:
+    """ModelOpt's bin count ``ceil(top / w)`` of float32 ``top`` and width ``w`` as torch's
+    float32 division and ceil give it (:meth:`ModelOptGrid._bins_needed`), in Python: the
+    double quotient rounded to float32 is the float32 quotient (53 bits >= 2 * 24 + 2:
+    rounding twice is rounding once); ``x / 0`` as torch's (inf, or NaN for 0 / 0)."""
+    q = _float32(top / w) if w else math.inf if top > 0 else math.nan
+    return math.ceil(q) if math.isfinite(q) else q
 
 
 class ModelOptGrid:
@@ -19,6 +59,9 @@ class ModelOptGrid:
 
     _grown_top: torch.Tensor | None = None  # max |x| of the batch that last grew the grid
     _grown_edge: torch.Tensor | None = None  # the grown grid's last edge (_linear_top)
+
+    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the kept first grid
+        return {k: v for k, v in super().__getstate__().items() if k not in GRID_CACHES}
 
     @property
     def _calib_hist(self) -> torch.Tensor | None:
@@ -37,47 +80,80 @@ class ModelOptGrid:
         if not self._linear:  # moved to the native grid (quantscope.compat.modelopt's doc)
             return self.current_histogram().edges()[0]
         edges = self._modelopt_edges()
-        # ModelOpt's arange runs on the batch's device, its linspace on the CPU
-        return edges if self._grown_top is None else edges.to(self.hist_counts.device)
+        # ModelOpt's arange runs on the batch's device, its linspace on the CPU (kept: a copy)
+        return edges.clone() if self._grown_top is None else edges.to(self.hist_counts.device)
 
-    def _first_edges(self) -> torch.Tensor:
-        # ModelOpt's linspace(0, max |x|, num_bins + 1) of the first batch (CPU float32)
-        return torch.linspace(0, float(self.hist_hi[0]), self.bins + 1)
+    def _first_grid(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """ModelOpt's ``linspace(0, max |x|, num_bins + 1)`` of the first batch (CPU, the
+        default dtype: float32), its width ``edges[1] - edges[0]`` and that as a float, kept
+        per (max ``|x|``, bins, dtype): a growing batch reads them (read only: copied where
+        returned)."""
+        hi = self._buffers["hist_hi"]
+        top = _scalar(hi) if hi.shape == (1,) else None
+        key = (float(hi[0]) if top is None else top, self.bins, torch.get_default_dtype())
+        kept = self.__dict__.get("_grid_cache")
+        if kept is None or kept[0] != key:
+            edges = torch.linspace(0, key[0], self.bins + 1)
+            w = edges[1] - edges[0]
+            kept = self.__dict__["_grid_cache"] = (key, edges, w, float(w))
+        return kept[1:]
 
     def _modelopt_edges(self) -> torch.Tensor:
         """ModelOpt's edges of the first grid (CPU float32): ``linspace(0, max |x|, num_bins +
         1)`` of the first batch; grown, ``arange(0, top + w, w)`` to the growing batch's max
-        ``|x|`` (one edge more than the bins where float32 rounds so)."""
-        edges = self._first_edges()
+        ``|x|`` (one edge more than the bins where float32 rounds so). Read only (the
+        first grid's are kept: :meth:`_first_grid`)."""
+        edges, w, _ = self._first_grid()
         if self._grown_top is None:
             return edges
-        w = edges[1] - edges[0]
         return torch.arange(0, self._grown_top + w, w)
 
     def _bins_needed(self, hi) -> torch.Tensor:
         # ModelOpt's count: ceil(x_max / w) in float32, w = edges[1] - edges[0] of its
         # float32 linspace (not Horizon's float64 quotient, which can count a bin more)
-        edges = self._first_edges()
-        w = (edges[1] - edges[0]).to(hi.device)
-        return torch.ceil(hi.float() / w).max()
+        w = self._first_grid()[1].to(hi.device)
+        return torch.ceil(hi.float() / w).max()  # (one CPU value: bins_for, in Python)
 
     def _linear_top(self):
         # histc's max on a grown grid: ModelOpt's last edge (float32 steps, not float64's),
         # kept when the grid grows (read 2-3 times a batch)
+        hi = self._buffers["hist_hi"]
         if self._grown_top is None:
-            return self.hist_hi
-        if self._grown_edge is None:
-            self._grown_edge = self._modelopt_edges()[-1:]
-        if self._grown_edge.device != self.hist_hi.device:  # Module.to moves no plain attribute
-            self._grown_edge = self._grown_edge.to(self.hist_hi.device)
-        return self._grown_edge
+            return hi
+        edge = kept = self._grown_edge
+        if edge is None:
+            edge = self._modelopt_edges()[-1:]
+        if not (edge.is_cpu and hi.is_cpu) and edge.device != hi.device:  # Module.to moves
+            edge = edge.to(hi.device)  # no plain attribute
+        if edge is not kept:  # (a plain attribute: no nn.Module.__setattr__)
+            self.__dict__["_grown_edge"] = edge
+        return edge
 
     def _append_bins(self, hi) -> bool:
-        grown = super()._append_bins(hi)
-        if grown:  # ModelOpt's edges run to this batch's max |x| (hi: per tensor)
-            self._grown_top = hi.reshape(()).float().cpu()
-            self._grown_edge = None
+        # ModelOpt's edges run to this batch's max |x| (hi: per tensor, one value)
+        top = _scalar(hi)
+        grown = None if top is None else self._grow_to(top)
+        if grown is None:  # off the CPU, or a float64 default dtype's linspace: torch's ops
+            grown = super()._append_bins(hi)
+            if grown:  # (plain attributes: no nn.Module.__setattr__, every growing batch)
+                self.__dict__.update(_grown_top=hi.reshape(()).float().cpu(), _grown_edge=None)
         return grown
+
+    def _grow_to(self, top: float) -> bool | None:
+        """:meth:`_append_bins` of a batch whose max ``|x|`` is the float32 ``top`` on a
+        float32 first grid, in Python floats where it can (:func:`bins_for`; the last edge
+        ``arange(0, top + w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum
+        does), the top and that edge kept at once; None where it does not apply (the grid is
+        not float32)."""
+        _, w, width = self._first_grid()  # (float32: the default dtype, as its key says)
+        if w.dtype != torch.float32:
+            return None
+        if not self._pad_to(bins_for(top, width), 1):
+            return False
+        edge = torch.arange(0, _float32(top + width), width)[-1:]
+        self.__dict__.update(_grown_top=torch.full((), top, dtype=torch.float32),
+                             _grown_edge=edge)
+        return True
 
     def _modelopt_value(self, amax: torch.Tensor, hist, centre: bool) -> torch.Tensor:
         """``amax``, an edge ``lo + i * width`` of the grid (or a centre ``lo + (i + 0.5) *

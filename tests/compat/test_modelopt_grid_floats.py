@@ -1,0 +1,102 @@
+"""ModelOpt's histogram grid grown in Python floats (compat/modelopt_grid.py): the bin count
+``ceil(top / w)`` and the grown grid's last edge ``arange(0, top + w, w)[-1]`` computed from
+floats where ModelOpt (and the code before) used float32 tensor ops, the first grid's
+``linspace`` kept per (max ``|x|``, bins, default dtype). Each is checked against the tensor
+formula it stands for."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from quantscope.compat.modelopt import HistogramCalibrator
+from quantscope.compat.modelopt_grid import _float32, bins_for
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def test_bins_for_is_torch_float32_ceil_of_the_quotient():
+    rng = random.Random(0)
+    widths = [0.0, 1e-45, 3e-39, 1e-30, 7e-3, 0.1, 1.0, 3e7]
+    for _ in range(4000):
+        w = _f32(rng.choice(widths) * rng.uniform(0.5, 2.0))
+        top = _f32(w * rng.uniform(0.5, 5000.0) if w else rng.choice([0.0, 1.0]))
+        if rng.random() < 0.05:
+            top = _f32(rng.uniform(1e37, 3e38))  # quotients past float32: inf
+        want = torch.ceil(torch.tensor([top]) / torch.tensor(w)).max()
+        got = bins_for(top, w)
+        if bool(want.isfinite()):
+            assert got == float(want), (top, w)
+        else:
+            assert not math.isfinite(got) and math.isnan(got) == bool(want.isnan()), \
+                (top, w, got, want)
+
+
+def test_grown_edge_is_the_tensor_arange():
+    """arange(0, float32(top + w), w) from floats is arange(0, top_t + w_t, w_t) of 0-d
+    float32 tensors, every element, the last edge among them."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        first = _f32(rng.uniform(1e-3, 1e3) * 10.0 ** rng.randint(-15, 15))
+        bins = rng.choice([2, 16, 128, 2048])
+        edges = torch.linspace(0, first, bins + 1)
+        w = edges[1] - edges[0]
+        top = _f32(first * rng.uniform(1.0, 64.0))
+        want = torch.arange(0, torch.tensor(top) + w, w)
+        got = torch.arange(0, _float32(top + float(w)), float(w))
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_growing_grid_as_the_tensor_formulas(cached):
+    """After each growing batch: the bins, the kept top and last edge are the tensor formulas'
+    (the general path and the cached step both grow by _grow_to)."""
+    cal = HistogramCalibrator(num_bins=64)
+    cal.cached_cpu_step = cached
+    g = torch.Generator().manual_seed(3)
+    cal.collect(torch.randn(500, generator=g))
+    edges = torch.linspace(0, float(cal.hist_hi[0]), 65)
+    w = edges[1] - edges[0]
+    grown = 0
+    for scale in (1.2, 1.5, 1.5, 2.0, 7.0, 20.0):
+        x = torch.randn(500, generator=g) * scale
+        amax, top = x.abs().max(), float(cal._linear_top())
+        before = cal.hist_counts.shape[1]
+        cal.collect(x)
+        if float(amax) <= top:
+            continue  # inside the grid: nothing grew
+        grown += 1
+        need = int(torch.ceil(amax.reshape(1) / w).max())
+        assert cal.hist_counts.shape[1] == max(need, before)
+        assert cal._grown_top.shape == () and float(cal._grown_top) == float(amax)
+        assert torch.equal(cal._grown_edge, torch.arange(0, cal._grown_top + w, w)[-1:])
+        assert torch.equal(cal._calib_bin_edges, torch.arange(0, cal._grown_top + w, w))
+    assert grown >= 3 and cal._linear
+
+
+def test_first_grid_follows_the_first_batch_and_the_default_dtype():
+    cal = HistogramCalibrator(num_bins=16)
+    cal.collect(torch.tensor([1.0, -3.0]))
+    edges = cal._calib_bin_edges
+    assert torch.equal(edges, torch.linspace(0, 3.0, 17))
+    edges.fill_(0)  # a copy: the kept grid stays
+    assert torch.equal(cal._calib_bin_edges, torch.linspace(0, 3.0, 17))
+    cal.reset()
+    cal.collect(torch.tensor([5.0]))
+    assert torch.equal(cal._calib_bin_edges, torch.linspace(0, 5.0, 17))
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert cal._calib_bin_edges.dtype == torch.float64  # linspace's, as ModelOpt's
+        cal.collect(torch.tensor([8.0]))  # grows by the tensor formulas (a float64 width)
+        w = torch.linspace(0, 5.0, 17)
+        w = w[1] - w[0]
+        assert cal.hist_counts.shape[1] == int(torch.ceil(torch.tensor([8.0]) / w).max())
+        assert torch.equal(cal._grown_edge, torch.arange(0, cal._grown_top + w, w)[-1:])
+    finally:
+        torch.set_default_dtype(before)
