@@ -139,6 +139,10 @@ class ModelOptGrid:
                 self.__dict__.update(_grown_top=hi.reshape(()).float().cpu(), _grown_edge=None)
         return grown
 
+    #: observers/first_step.py's cached step may call _grow_to with the float it has (a
+    #: subclass overriding _append_bins is given the tensor)
+    _append_bins.takes_float = "_grow_to"
+
     def _grow_to(self, top: float) -> bool | None:
         """:meth:`_append_bins` of a batch whose max ``|x|`` is the float32 ``top`` on a
         float32 first grid, in Python floats where it can (:func:`bins_for`; the last edge
