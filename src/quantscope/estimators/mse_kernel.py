@@ -42,7 +42,7 @@ import torch
 from .. import kernels
 from ..formats import FloatFormat, IntFormat
 from ..spec import QuantSpec
-from .mse_tiles import candidate_qparams
+from .mse_tiles import candidate_qparams, finite_candidates
 
 __all__ = ["KernelState", "dq", "price", "search", "usable"]
 
@@ -201,6 +201,8 @@ class _Search:
                                    and f_hi[0] == 1.0)  # then lo * 1.0 is the incumbent's row
         self.f_lo = torch.tensor(list(f_lo) + self.ext, dtype=torch.float32)
         self.f_hi = torch.tensor(list(f_hi) + self.ext, dtype=torch.float32)
+        # the kernel runs on the CPU, where one read of the ends spares every block's mask
+        self.finite = finite_candidates((lo, hi, *incumbent), (self.f_lo, self.f_hi))
         self.use_global = patience is not None
         self.rule = {"patience": patience, "per_unit": per_unit, "tie": tie}
         n_units = units.shape[0]
@@ -211,7 +213,7 @@ class _Search:
         self.chunks = [(a, min(a + ub, n_units)) for a in range(0, n_units, ub)]
 
     def _qparams(self, lo_c, hi_c):
-        qp = candidate_qparams(lo_c, hi_c, self.spec, self.global_amax)
+        qp = candidate_qparams(lo_c, hi_c, self.spec, self.global_amax, self.finite)
         return qp.effective_scale.expand_as(lo_c), qp.zero_point
 
     def _grid(self, a, b, gstop, flags):

@@ -27,17 +27,34 @@ def norm_sum(d: torch.Tensor, norm: float) -> torch.Tensor:
 
 
 def candidate_qparams(lo_c: torch.Tensor, hi_c: torch.Tensor, spec: QuantSpec,
-                      global_amax) -> QParams:
+                      global_amax, finite: bool = False) -> QParams:
     """The qparams of candidate ranges ``lo_c, hi_c``, with a NaN scale where the range is not
     finite (a factor > 1 of values near float32's max): every engine prices that NaN, and a
     non-finite error never replaces the best, so a native search never returns such a range
     (``qparams_from_range`` saturates its scale, and its finite error could win). The one
     place every engine (tiles, C kernel, ops, :mod:`.mse_compat`) takes a candidate's qparams
-    from. (llm-compressor's own search prices such a range NaN too: its scale is inf.)"""
+    from. (llm-compressor's own search prices such a range NaN too: its scale is inf.)
+
+    ``finite``: the caller has shown every candidate finite (:func:`finite_candidates`), so
+    the mask, five passes over the candidates, is skipped."""
     # candidates scale the observer's checked min / max: no device read-back per chunk
     qp = qparams_from_range(lo_c, hi_c, spec, global_amax=global_amax, check_finite=False)
+    if finite:
+        return qp
     past = torch.maximum(lo_c.abs(), hi_c.abs()) == math.inf
     return QParams(qp.scale.masked_fill(past, math.nan), qp.zero_point, qp.global_scale)
+
+
+def finite_candidates(ends, factors) -> bool:
+    """Whether every candidate ``end * factor`` (each of ``ends`` times each of ``factors``,
+    in their dtypes) is finite, in one host read: ``|end| * |factor|`` is at most ``max|end|
+    * max|factor|``, and rounding is monotone. For the CPU engines, which then price without
+    :func:`candidate_qparams`' mask; a NaN end reads as not finite."""
+    ends = [e for e in ends if e.numel()]
+    if not ends:
+        return True
+    top = torch.stack([e.abs().amax() for e in ends]).amax()
+    return bool(torch.isfinite(top * torch.stack([f.abs().amax() for f in factors]).amax()))
 
 
 def _tile_error(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, spec: QuantSpec,
