@@ -1,6 +1,7 @@
 """Session 49's calibration-API probe: rules that take nothing are warned about, a first batch
 of 0 rows no longer leaves SmoothQuant and keep_float nothing to read, and three errors name
-what they are about."""
+what they are about. Session 51 pinned what session 50's mutants showed no test held: the
+whole warning text, a glob target that matches, which batch holds a value, and peek."""
 
 import copy
 import importlib.util
@@ -80,10 +81,53 @@ def test_a_rule_or_target_taking_nothing_is_warned_naming_it(recipe, said):
     Recipe((Rule(("down_proj",), weight=W4), Rule(("Linear",), weight=W8))),  # narrower first
     Recipe((Rule(("Linear",), weight=W8),), ignore=("down_prj",)),  # an ignore entry: silent
     "w8a8",
+    # a glob or re: target that matches is no misspelt name (a glob is not looked up by name)
+    Recipe((Rule(("*_proj",), weight=W8),)),
+    Recipe((Rule(("re:.*_proj$",), weight=W8),)),
+    Recipe((Rule(("q_pro?",), weight=W8), Rule(("re:down",), weight=W4))),
 ])
 def test_rules_that_all_take_a_module_are_not_warned(recipe):
     c, told, _ = _calibrate(recipe)
     assert told == [] and sorted(c.states) == ["down_proj", "q_proj"]
+
+
+class TwoBlocks(nn.Module):
+    """Two containers ``Block`` (no weight of their own), each holding a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(16, 16)
+        self.a, self.b = nn.Sequential(nn.Linear(16, 16)), nn.Sequential(nn.Linear(16, 16))
+        self.a.__class__ = self.b.__class__ = type("Block", (nn.Sequential,), {})
+
+    def forward(self, x):
+        return self.b(self.a(self.q_proj(x)))
+
+
+_TYPO = ("targets {} match no module (a misspelt name? a target is a module's name, a class "
+         "name, or a glob / re: pattern)")
+_SHADOWED = ("rules[{}] (targets {}) takes no module: each module it matches is ignored or "
+             "taken by an earlier rule (the first rule that matches a module takes it: put a "
+             "narrower rule first)")
+
+
+@pytest.mark.parametrize("recipe, model, said", [
+    # a rule whose only target is misspelt: said once, as a target, not again as a rule
+    (Recipe((Rule(("q_proj",), weight=W8), Rule(("down_prj",), weight=W4))), TwoProj,
+     [_TYPO.format(["down_prj"])]),
+    # one target misspelt, the other taken by an earlier rule: the rule still takes nothing
+    (Recipe((Rule(("Linear",), weight=W8), Rule(("down_proj", "dwn_proj"), weight=W4))),
+     TwoProj, [_TYPO.format(["dwn_proj"]), _SHADOWED.format(1, ["down_proj", "dwn_proj"])]),
+    # two modules matched in vain: the first is named
+    (Recipe((Rule(("Block",), weight=W4), Rule(("Linear",), weight=W8))), TwoBlocks,
+     [("rules[0] (targets ['Block']) takes no module: the modules it matches take none of its "
+       "roles: 'a' (Block) holds no weight for the weight role (the layers in it do)")]),
+])
+def test_idle_rules_warning_says_each_thing_once(recipe, model, said):
+    """The whole warning (s50's mutants W02 / W04 / W10: a misspelt rule said twice, a rule
+    with a misspelt and a shadowed target not said, the last module matched named)."""
+    _, told, _ = _calibrate(recipe, model())
+    assert told == [f"calibrate: recipe 'custom': {'; '.join(said)}"]
 
 
 def test_a_recipe_taking_nothing_still_raises_without_a_warning():

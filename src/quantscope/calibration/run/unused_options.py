@@ -59,9 +59,10 @@ def warn_idle_rules(model, recipes) -> None:
     """Each recipe's targets that match no module of ``model`` (a misspelt name: the ignore
     list's modules count as matched) and its rules that take no module (every module they
     match ignored, taken by an earlier rule, the first rule that matches taking it, or taking
-    none of its roles: a container class, a norm), where the recipe takes some module (one
-    taking none raises in :meth:`~..recipe.Recipe.match`). compressed-tensors warns of such
-    targets too ("Could not match")."""
+    none of its roles: a container class, a norm; the first module it matched is named), where
+    the recipe takes some module (one taking none raises in :meth:`~..recipe.Recipe.match`):
+    one warning per recipe. A rule whose targets all match no module is said once, by its
+    targets. compressed-tensors warns of such targets too ("Could not match")."""
     named = [(n, m) for n, m in model.named_modules() if n]
     for rec in recipes.values():
         taken, roleless = set(), {}  # rule index -> the first module it matched in vain
