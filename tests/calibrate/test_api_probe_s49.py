@@ -14,6 +14,8 @@ from torch import nn
 import quantscope
 from quantscope import QuantSpec
 from quantscope.calibration import Outliers, Recipe, Role, Rule, calibrate_many
+from quantscope.calibration.run.batches import peek
+from quantscope.calibration.run.outliers import _holds_value
 
 W8 = Role(QuantSpec("int8", "channel"), "minmax")
 W4 = Role(QuantSpec("int4", "channel"), "minmax")
@@ -204,10 +206,60 @@ def test_leading_batches_of_zero_rows_do_not_empty_smoothing_or_keep_float(outli
     assert (want[0] or {}).get("skipped", []) == [] and (want[2] or want[1]["tensors"])
 
 
-def test_only_zero_row_batches_read_the_first_as_before():
+@pytest.mark.parametrize("stream", [False, True])
+def test_only_zero_row_batches_read_the_first_as_before(stream):
+    zeros = [torch.randn(0, 16)] * 2
     # nothing to measure anywhere: smoothing skips every pair as it did
-    c = _outcome([torch.randn(0, 16)] * 2, Outliers(smooth=0.5))
+    c = _outcome(iter(zeros) if stream else zeros, Outliers(smooth=0.5))
     assert c[0]["smoothed"] == [] and c[2] == {}
+    # keep_float ranks on the first one, a list as a stream (s50's mutant O11: a list of them
+    # raised "keep_float needs a batch")
+    c = _outcome(iter(zeros) if stream else zeros, Outliers(keep_float=2))
+    assert c[1]["tensors"] == [] and c[2] == {}
+
+
+def test_a_batch_holds_a_value_where_any_of_its_tensors_does():
+    """s50's mutants O01 / O02: one tensor holding elements is enough (an empty extra input
+    beside the real one); a batch holding no tensor has nothing to tell by and counts as
+    holding one."""
+    real, empty = torch.randn(4, 16), torch.zeros(0, 3)
+    assert _holds_value((real, empty)) and _holds_value((empty, real))
+    assert _holds_value({"input_ids": torch.ones(2, 8, dtype=torch.long), "extra": empty})
+    assert not _holds_value((torch.zeros(0, 16), {"x": empty}))
+    assert _holds_value({"text": ["a prompt"]}) and _holds_value([])
+    first, rest = peek([{"x": empty}, {"x": empty, "y": real}, {"x": real}], _holds_value)
+    assert first.keys() == {"x", "y"} and len(rest) == 3
+
+
+def test_peek_reads_a_stream_no_further_than_the_first_batch_holding_a_value():
+    pulled = []
+
+    def stream():
+        for i in range(1000):
+            pulled.append(i)
+            yield {"text": [f"prompt {i}"]}  # no tensor: the first one is read (s50's O01)
+
+    first, rest = peek(stream(), _holds_value)
+    assert first == {"text": ["prompt 0"]} and pulled == [0]
+    assert next(iter(rest)) is first and pulled == [0]
+
+
+def test_peek_keeps_a_streams_batches_before_the_first_holding_a_value():
+    """Every batch read past comes back, in order (s50's O12 dropped the 0-row ones)."""
+    z0, z1, a, b = torch.zeros(0, 16), torch.zeros(0, 16), torch.ones(2, 16), torch.ones(3, 16)
+    first, rest = peek(iter([z0, z1, a, b]), _holds_value)
+    assert first is a
+    assert [id(x) for x in rest] == [id(z0), id(z1), id(a), id(b)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_nan_batch_after_zero_row_ones_is_named_by_its_place(stream):
+    """The leading 0-row batches are calibrated too, so a batch is numbered as in the list."""
+    real = _real_batches()
+    real[1][0, 0] = float("nan")
+    batches = [torch.randn(0, 16), torch.randn(0, 16), *real]
+    with pytest.raises(ValueError, match=r"calibration batch 3 \(counting from 0\) brought NaN"):
+        _outcome(iter(batches) if stream else batches, Outliers(keep_float=2))
 
 
 def test_calibrate_many_names_recipes_of_a_wrong_type():
