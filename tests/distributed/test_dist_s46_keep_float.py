@@ -3,8 +3,8 @@ activations on the first batch of its own list, with no exchange: the ranks coul
 different tensors in float (rank 0, which writes, held another calibration than the rest,
 silently), and a rank given ``[]`` raised "keep_float needs a batch" alone. Now the lowest
 rank that holds a batch ranks on its first one and every rank keeps what that ranking says:
-what one process ranking on that batch keeps; with no batch on any rank, every rank raises
-one process's error.
+what one process ranking on that batch keeps (a batch of 0 rows passed over, as one process
+passes it over); with no batch on any rank, every rank raises one process's error.
 
 One spawn of 2 gloo processes; each rank calibrates the one-process references too."""
 
@@ -36,12 +36,16 @@ def _batch(seed, scale=1.0):
 
 # ranked first, these keep different inputs float (the last layer's, the first layer's)
 WIDE, NARROW, OTHER = _batch(0), _batch(1, 0.05), _batch(100)
+ZERO = torch.zeros(0, 16)  # every module passes it through: nothing to rank
 
 #: case -> (rank 0's list, rank 1's list, one process's list: first the batch ranked on,
 #: then what the ranks' shares observe); static_minmax: the ranks' union is one process's
 CASES = {
     "own": ([WIDE, OTHER], [NARROW, OTHER], [WIDE, OTHER]),  # shares: WIDE | OTHER
     "empty": ([], [NARROW, NARROW], [NARROW]),  # rank 1's share: its second batch
+    # rank 0 holds a batch of 0 rows only: rank 1, holding a value, ranks (s50's mutant O06
+    # ranked on rank 0's empty batch, keeping nothing in float)
+    "zero rows": ([ZERO], [NARROW, NARROW], [ZERO, NARROW]),
 }
 
 

@@ -5,7 +5,8 @@ process smooths on, and the reduction lost NaN: gloo's MIN / MAX keeps NaN or dr
 the ranks' order, so a mapping one process skips ("saw NaN or inf") was smoothed where the
 NaN batch was not rank 0's; a mapping no rank ran was "saw NaN or inf", not "never ran".
 Now the lowest rank that holds a batch measures the ranges on its first one, as
-``keep_float`` ranks on it: every rank smooths as one process smoothing on that batch; and
+``keep_float`` ranks on it (a batch of 0 rows passed over): every rank smooths as one
+process smoothing on that batch; and
 ``channel_ranges`` reduced over ranks is one process's over all their batches, NaN and
 mappings that never ran included.
 
@@ -48,21 +49,56 @@ def _batches():
 
 A, B, C, NAN = _batches()
 
+
+class _Attn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, h):
+        return self.q_proj(h) * self.k_proj(h).sigmoid() + self.v_proj(h)
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer's smoothable part that, unlike the llama's, takes a batch of 0 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = torch.nn.LayerNorm(16), _Attn()
+
+    def forward(self, x):
+        return x + self.self_attn(self.input_layernorm(x))
+
+
+def _layer_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Layer(), torch.nn.Linear(16, 4)).eval()
+
+
+#: a batch every module passes through, and one with outlier channels to smooth
+ZERO = torch.zeros(0, 16)
+WIDE = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 20, 16)
+
 #: case -> (rank 0's list, rank 1's list, one process's list: first the batch smoothed on,
 #: then what the ranks' shares observe); static_minmax: the ranks' union is one process's
 CASES = {
     "own": ([A, C], [B, C], [A, C]),  # shares: A | C
     "empty": ([], [B, B], [B]),  # rank 1's share: its second batch
     "nan": ([A, C], [NAN, C], [A, C]),  # NaN on rank 1's first batch only: not smoothed on
+    # rank 0 holds a batch of 0 rows only: rank 1, holding a value, measures (s50's mutant
+    # O06 measured on rank 0's empty batch: nothing smoothed)
+    "zero rows": ([ZERO], [WIDE, WIDE], [ZERO, WIDE]),
 }
+#: the cases calibrating another model than the llama's (which takes no batch of 0 rows)
+MODELS = {"zero rows": _layer_model}
 #: channel_ranges reduced over the ranks: rank 0's and rank 1's batches, one process's all
 RANGES = {"nan1": ([A], [NAN]), "nan0": ([NAN], [A]), "none": ([], [])}
 
 
-def _calibrate(batches, distributed=False):
+def _calibrate(batches, distributed=False, model=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return quantscope.calibrate(_model(), batches, "w8a8", observer="static_minmax",
+        return quantscope.calibrate((model or _model)(), batches, "w8a8", observer="static_minmax",
                                     outliers=Outliers(smooth=0.5), progress=False,
                                     runtime=Runtime(distributed=distributed))
 
@@ -84,7 +120,8 @@ def _scenarios(r, out):
     for case, (*lists, _) in CASES.items():
         out[case] = None
         try:
-            out[f"{case}/held"] = _held(_calibrate(lists[r], distributed=True))
+            out[f"{case}/held"] = _held(_calibrate(lists[r], distributed=True,
+                                                   model=MODELS.get(case)))
         except Exception as e:  # noqa: BLE001 -- the parent compares the ranks' errors
             out[case] = f"{type(e).__name__}: {e}"
     for case, lists in RANGES.items():
@@ -110,7 +147,7 @@ def _equal(a, b) -> bool:
 def test_ranks_smooth_as_one_process(ranks, case):
     *_, alone = CASES[case]
     assert rank_results(ranks, case) == [None, None]
-    want = _held(_calibrate(alone))
+    want = _held(_calibrate(alone, model=MODELS.get(case)))
     assert want["info"]["smoothed"]  # something to compare
     for r, held in enumerate(rank_results(ranks, f"{case}/held")):
         for part in want:
