@@ -4,12 +4,13 @@ an optimized model to (:func:`check_optimized`).
 
 Reading (:func:`read_graph`): the model's graph without its data, each external tensor's
 ``location`` (in the graph, its subgraphs, node attributes, sparse tensors, model-local
-functions and training graphs) checked before anything reads it: no key named twice, ``offset``
-and ``length`` ASCII digits only, a relative path inside the model's folder
-(no absolute path, drive, ``..``), not a symbolic link, nor under one leading out of the
-folder, a regular file (not a FIFO or a device), ``offset + length`` within it. onnx
-(>= 1.16) and ONNX Runtime (1.32) refuse most of this themselves; quantscope does not rely on
-their versions.
+functions, their nodes and default attributes, and training graphs) checked before anything
+reads it: no key named twice, ``offset`` and ``length`` ASCII digits only, a relative path
+inside the model's folder (no absolute path, drive, ``..``, the last three also as Windows
+writes them: ``\\x``, ``C:x``, ``..\\x``), not a symbolic link, nor under one leading out
+of the folder, a regular file (not a FIFO or a device; with or without a ``length``),
+``offset + length`` within it. onnx (>= 1.16) and ONNX Runtime (1.32) refuse most of this
+themselves; quantscope does not rely on their versions.
 """
 
 from __future__ import annotations
@@ -174,10 +175,12 @@ def _initializers(graph):
 
 def _model_tensors(proto):
     """Every tensor ``proto`` (a ModelProto) holds: its graph's, those of its model-local
-    functions' nodes (ORT inlines them) and of its training graphs."""
+    functions' nodes and default attributes (ORT inlines a function, a default's tensor
+    with it) and of its training graphs."""
     yield from _tensors(proto.graph)
     for function in proto.functions:
         yield from _node_tensors(function.node)
+        yield from _attribute_tensors(function.attribute_proto)
     for info in proto.training_info:
         yield from _tensors(info.initialization)
         yield from _tensors(info.algorithm)
@@ -195,20 +198,30 @@ def _tensors(graph):
 def _node_tensors(nodes):
     """The tensors of ``nodes``' attributes, and of the graphs they hold."""
     for node in nodes:
-        for a in node.attribute:
-            if a.HasField("t"):
-                yield a.t
-            yield from a.tensors
-            for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
-                           *a.sparse_tensors):
-                yield from (sparse.values, sparse.indices)
-        for sub in _node_graphs(node):
-            yield from _tensors(sub)
+        yield from _attribute_tensors(node.attribute)
+
+
+def _attribute_tensors(attributes):
+    """The tensors ``attributes`` (a node's, or a function's defaults) hold: dense and
+    sparse, single and lists, and those of the graphs they hold."""
+    for a in attributes:
+        if a.HasField("t"):
+            yield a.t
+        yield from a.tensors
+        for sparse in (*([a.sparse_tensor] if a.HasField("sparse_tensor") else []),
+                       *a.sparse_tensors):
+            yield from (sparse.values, sparse.indices)
+    for sub in _attribute_graphs(attributes):
+        yield from _tensors(sub)
 
 
 def _node_graphs(node):
     """The graphs ``node``'s attributes hold (an If's branches, a Loop's body)."""
-    for a in node.attribute:
+    return _attribute_graphs(node.attribute)
+
+
+def _attribute_graphs(attributes):
+    for a in attributes:
         if a.HasField("g"):
             yield a.g
         yield from a.graphs
