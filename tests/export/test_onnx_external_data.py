@@ -170,15 +170,17 @@ def test_overwrite_deletes_only_a_data_file_named_as_the_export_names_it(tmp_pat
 
 
 def _crafted(folder, location, offset=0, length=16):
-    """A model adding a 4-float initializer whose data lies at ``location``."""
+    """A model adding a 4-float initializer whose data lies at ``location`` (``length``
+    None: no length entry, the rest of the file)."""
     from onnx import TensorProto, helper
 
     t = helper.make_tensor("w", TensorProto.FLOAT, [4], b"\0" * 16, raw=True)
     t.ClearField("raw_data")
     t.data_location = TensorProto.EXTERNAL
     for k, v in (("location", location), ("offset", offset), ("length", length)):
-        e = t.external_data.add()
-        e.key, e.value = k, str(v)
+        if v is not None:
+            e = t.external_data.add()
+            e.key, e.value = k, str(v)
     graph = helper.make_graph(
         [helper.make_node("Add", ["x", "w"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
@@ -189,34 +191,60 @@ def _crafted(folder, location, offset=0, length=16):
     return path
 
 
-@pytest.mark.parametrize("case", ["up", "absolute", "link_out", "fifo", "past_end", "ort_memory",
-                                  "ok"])
-@pytest.mark.parametrize("precise", [False, True], ids=["this_cpu", "u8u8"])
-def test_a_location_outside_the_models_folder_is_refused_before_ort_reads(
-        tmp_path, monkeypatch, case, precise):
+NOT_RELATIVE, UP = "is not a relative path", r"leads out of the model's folder \(\.\.\)"
+#: case: (location, why it is refused; None: it loads). The Windows spellings name files
+#: made in the folder (legal POSIX names), so only their own test can refuse them
+LOCATIONS = {
+    "up": ("../secret.bin", UP), "backslash_up": ("..\\secret.bin", UP),
+    "absolute": (None, NOT_RELATIVE), "backslash_absolute": ("\\w.bin", NOT_RELATIVE),
+    "drive": ("C:w.bin", NOT_RELATIVE),
+    "link_out": ("link.bin", "is a symbolic link"), "link_in": ("in.bin", "is a symbolic link"),
+    "linked_folder_out": ("out/secret.bin",
+                          r"lies outside the model's folder \(through a symbolic link\)"),
+    "fifo": ("fifo", "is not a regular file"), "fifo_no_length": ("fifo", "is not a regular file"),
+    "past_end": ("w.bin", "offset 8 and length 16 lie outside its 16 bytes"),
+    # ONNX Runtime's tag for initializers it holds in memory (offset: an address)
+    "ort_memory": ("*/_ORT_MEM_ADDR_/*", r"cannot be read \(.+\)"),
+    "ok": ("w.bin", None), "linked_folder_in": ("in/w.bin", None)}
+
+
+def _locations_folder(tmp_path):
+    """``model/`` beside ``secret.bin``: ``w.bin``, the Windows spellings' files, links to a
+    file and a folder outside and inside, a FIFO."""
     secret = tmp_path / "secret.bin"
     secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "w.bin").write_bytes(secret.read_bytes())
-    location = {"up": "../secret.bin", "absolute": str(secret), "link_out": "link.bin",
-                "fifo": "fifo", "past_end": "w.bin", "ok": "w.bin",
-                # ONNX Runtime's tag for initializers it holds in memory (offset: an address)
-                "ort_memory": "*/_ORT_MEM_ADDR_/*"}[case]
-    if case == "link_out":
-        os.symlink(secret, folder / "link.bin")
-    if case == "fifo":
-        os.mkfifo(folder / "fifo")
-    path = _crafted(folder, location, offset=8 if case == "past_end" else 0)
+    for name in ("w.bin", "..\\secret.bin", "\\w.bin", "C:w.bin"):
+        (folder / name).write_bytes(secret.read_bytes())
+    os.symlink(secret, folder / "link.bin")
+    os.symlink(folder / "w.bin", folder / "in.bin")
+    os.symlink(tmp_path, folder / "out")
+    os.symlink(".", folder / "in")
+    os.mkfifo(folder / "fifo")
+    return folder
+
+
+@pytest.mark.parametrize("case", list(LOCATIONS))
+@pytest.mark.parametrize("precise", [False, True], ids=["this_cpu", "u8u8"])
+def test_a_location_outside_the_models_folder_is_refused_before_ort_reads(
+        tmp_path, monkeypatch, case, precise):
+    """Each refusal names its own reason (onnx_locations' module doc); a link to a folder
+    inside, under which the file is no link, loads."""
+    location, why = LOCATIONS[case]
+    folder = _locations_folder(tmp_path)
+    path = _crafted(folder, location or str(tmp_path / "secret.bin"),
+                    offset=8 if case == "past_end" else 0,
+                    length=None if case == "fifo_no_length" else 16)
     if precise:
         monkeypatch.setattr(qonnx, "int8_dot_product", lambda *a: False)
-    if case == "ok":
+    if why is None:
         got = qonnx.session(path).run(None, {"x": np.ones(4, np.float32)})[0]
         np.testing.assert_array_equal(got, np.arange(4) + 1)
         return
     opened = []
     monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append(a))
-    with pytest.raises(ValueError, match=r"tensor 'w' has its data in .*, which .*; "
+    with pytest.raises(ValueError, match=rf"tensor 'w' has its data in .*, which {why}; "
                                          r"quantscope reads external data only from a file "
                                          r"inside the model's folder"):
         qonnx.session(path)

@@ -261,3 +261,35 @@ def test_the_location_check_walks_every_tensor_container(tmp_path, container):
         with pytest.raises(ValueError, match=r"tensor 'w' has its data in '\.\./secret\.bin', "
                                              r"which leads out of the model's folder \(\.\.\)"):
             read_graph(path)
+
+
+def test_an_earlier_optimized_model_naming_another_file_too_keeps_its_data(tmp_path,
+                                                                          monkeypatch):
+    """``opt.data`` is replaced only where the quantscope model at ``opt`` names it as its one
+    location: a model there that names another file too is not one ONNX Runtime wrote, and
+    is refused; one naming ``opt.data`` alone is replaced."""
+    from onnx import helper
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "w.bin").write_bytes(bytes(16))
+    path = _in_graph(folder, [("location", "w.bin"), ("offset", "0"), ("length", "16")])
+    opened = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: opened.append(a))
+    opt = tmp_path / "opt.onnx"
+    for name in ("opt.onnx.data", "other.data"):
+        (tmp_path / name).write_bytes(bytes(16))
+    for locations in (["opt.onnx.data", "other.data"], ["opt.onnx.data"]):
+        earlier = helper.make_model(helper.make_graph([], "g", [], [], [
+            _external_tensor([("location", n), ("offset", "0"), ("length", "16")])
+            for n in locations]))
+        earlier.metadata_props.add(key="quantscope", value="onnx export")  # the export's mark
+        opt.write_bytes(earlier.SerializeToString())
+        if len(locations) == 1:
+            qonnx.session(path, optimized_model_path=opt)
+            assert len(opened) == 1
+            continue
+        with pytest.raises(ValueError, match=r"opt\.onnx\.data' exists and is not an earlier "
+                                             r"optimized model"):
+            qonnx.session(path, optimized_model_path=opt)
+        assert opened == []
