@@ -169,6 +169,81 @@ def test_overwrite_deletes_only_a_data_file_named_as_the_export_names_it(tmp_pat
         assert (tmp_path / data).exists() and (out / "keep.data").exists()
 
 
+def _marked(tensors=()):
+    """A model carrying the export's metadata entry (what ``overwrite`` may replace), its
+    initializers ``tensors``."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], list(tensors))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.metadata_props.add(key="quantscope", value="onnx export")
+    return model
+
+
+OWN, OTHER = "m.onnx.0123456789abcdef.data", "m.onnx.fedcba9876543210.data"
+
+
+@pytest.mark.parametrize("case", ["own", "suffixed", "two_own", "link"])
+def test_overwrite_deletes_the_old_data_only_where_it_names_one_plain_file_of_its_own(
+        tmp_path, case):
+    """The replaced export's data file is deleted where its model names one location,
+    ``<model name>.<16 hex digits>.data`` exactly, a plain file beside it; a kept copy named
+    ``<that>.orig``, two files each named so (quantscope never writes that), or a symbolic
+    link at that name (and its target) are left."""
+    from onnx import TensorProto, helper
+
+    from quantscope.exporters.onnx_external import write_model
+
+    out = tmp_path / "out"
+    out.mkdir()
+    locations = {"own": [OWN], "suffixed": [OWN + ".orig"], "two_own": [OWN, OTHER],
+                 "link": [OWN]}[case]
+    tensors = []
+    for i, name in enumerate(locations):
+        (out / name).write_bytes(bytes(16))
+        t = helper.make_tensor(f"w{i}", TensorProto.FLOAT, [4], [0.0] * 4)
+        t.ClearField("float_data")
+        t.data_location = TensorProto.EXTERNAL
+        t.external_data.add(key="location", value=name)
+        tensors.append(t)
+    if case == "link":  # the data moved elsewhere, a link left at its name
+        (out / OWN).rename(tmp_path / OWN)
+        os.symlink(tmp_path / OWN, out / OWN)
+    (out / "m.onnx").write_bytes(_marked(tensors).SerializeToString())
+    before = sorted(os.listdir(out))
+    write_model(onnx, _marked(), str(out / "m.onnx"), external=False, overwrite=True, inputs=())
+    assert sorted(os.listdir(out)) == (["m.onnx"] if case == "own" else before)
+    if case == "link":  # the link in the listing; its target too
+        assert (tmp_path / OWN).read_bytes() == bytes(16)
+
+
+def test_the_data_file_takes_tensors_from_1_kib_and_aligns_those_from_1_mib(tmp_path):
+    """SIZE_THRESHOLD bytes or more go to the data file, fewer stay in the model; tensors of
+    1 MiB or more start at a multiple of ALIGNMENT, smaller ones where the last ended."""
+    from onnx import numpy_helper
+
+    from quantscope.exporters.onnx_external import ALIGNMENT, SIZE_THRESHOLD, write_model
+
+    sizes = {"below": SIZE_THRESHOLD - 1, "at": SIZE_THRESHOLD, "under_mib": (1 << 20) - 1,
+             "mib": 1 << 20}
+    arrays = {n: (np.arange(k) % 251).astype(np.uint8) for n, k in sizes.items()}
+    tensors = [numpy_helper.from_array(a, n) for n, a in arrays.items()]
+    path = tmp_path / "m.onnx"
+    write_model(onnx, _marked(tensors), str(path), external=True, overwrite=False, inputs=())
+    proto = onnx.load(str(path), load_external_data=False)
+    offsets = {t.name: {e.key: e.value for e in t.external_data}.get("offset")
+               for t in proto.graph.initializer}
+    # 1024 + (1 MiB - 1) = 1049599 bytes written before the 1 MiB tensor: padded to 17 x 64 KiB
+    assert offsets == {"below": None, "at": "0", "under_mib": "1024",
+                       "mib": str(17 * ALIGNMENT)}
+    loaded = onnx.load(str(path))
+    for t in loaded.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(t), arrays[t.name])
+
+
 def _crafted(folder, location, offset=0, length=16):
     """A model adding a 4-float initializer whose data lies at ``location`` (``length``
     None: no length entry, the rest of the file)."""

@@ -89,6 +89,8 @@ def test_an_export_through_a_link_to_another_folder_is_refused(tmp_path, made):
 
 
 def test_a_data_name_past_the_limit_is_refused_before_the_trace(tmp_path, made, monkeypatch):
+    """Refused where ``<name>.<16 hex digits>.data`` would pass the file system's NAME_MAX;
+    a data file's name of exactly NAME_MAX bytes is one it takes: that export goes on."""
     def trace(*a, **k):
         raise AssertionError("traced")
 
@@ -99,6 +101,13 @@ def test_a_data_name_past_the_limit_is_refused_before_the_trace(tmp_path, made, 
     with pytest.raises(AssertionError, match="traced"):  # one file: the name is legal
         _export(made, tmp_path / name)
     assert os.listdir(tmp_path) == []
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    name = "m" * (limit - 22 - len(".onnx")) + ".onnx"  # its data file's: limit bytes
+    (tmp_path / f"{name}.{'0' * 16}.data").write_bytes(b"")  # which the file system takes
+    with pytest.raises(AssertionError, match="traced"):
+        _export(made, tmp_path / name, external_data=True)
+    with pytest.raises(ValueError, match=f"data file's name would be {limit + 1} bytes"):
+        _export(made, tmp_path / ("m" + name), external_data=True)
 
 
 def _external_tensor(entries):

@@ -16,8 +16,10 @@ data as they were (and at most an unreferenced new data file; a raise, the swap'
 removes the data file the export made); after it, the new pair. A
 file already at the data file's name is reused where its bytes are the same (an identical
 re-export), and otherwise refused, ``overwrite`` or not: quantscope never replaces a data
-file. Once the new model is in place, the data file of the export it replaced (one named
-``<model name>.<16 hex digits>.data`` in its folder, a plain file) is deleted.
+file. Once the new model is in place, the data file of the export it replaced is deleted
+where that model's tensors name one file, ``<model name>.<16 hex digits>.data`` exactly, a
+plain file in its folder (not a link); any other file they name is left (a kept
+``<that>.orig``, two such files, a file outside the folder).
 The readers' location checks: :mod:`.onnx_locations`.
 """
 
