@@ -18,7 +18,8 @@ class ForkSafeLock:
     The child's lock is held as the plain lock's would be where the thread that forked held
     it (a fork inside ``with lock:``): that thread goes on in the child, and its ``with``
     blocks release the renewed lock as they would have released the original (re-entered
-    ones too); a lock another thread held is free in the child."""
+    ones too, and in a child that forks again inside them); a lock another thread held is free
+    in the child, to every thread."""
 
     def __init__(self, reentrant: bool = False):
         self._kind = threading.RLock if reentrant else threading.Lock
