@@ -185,8 +185,9 @@ def test_an_error_leaves_the_general_paths_state(made_in_inference_mode):
 
 def test_not_taken_where_the_general_path_differs(monkeypatch):
     """float64, strided or empty input, several units, the first call, the reference
-    grid, the EMA mode, skipped zeros, ignored NaN / inf, an instance or class step, the
-    setting off: each runs the general forward on every call."""
+    grid, the EMA mode, skipped zeros, ignored NaN / inf, sync_every_step (mutant H23 of s50:
+    only the 90 s distributed test saw it), an instance or class step, the setting off: each
+    runs the general forward on every call."""
     count = CountGeneral(monkeypatch)
 
     class Overriding(PercentileObserver):
@@ -201,6 +202,9 @@ def test_not_taken_where_the_general_path_differs(monkeypatch):
         (pair("percentile", skip_zeros=True), [g(10, 8, 64), g(11, 8, 64)]),
         (pair("percentile", non_finite="ignore"), [g(12, 8, 64), g(13, 8, 64)]),
     ]
+    obs, twin = pair("percentile")
+    obs.sync_every_step = twin.sync_every_step = True  # the step's exchange (one process here)
+    cases.append(((obs, twin), [g(20, 8, 64), g(21, 8, 64, scale=0.5), torch.zeros(8, 64)]))
     obs = Overriding(QuantSpec())
     twin = Overriding(QuantSpec())
     twin.cached_cpu_step = False
@@ -217,6 +221,21 @@ def test_not_taken_where_the_general_path_differs(monkeypatch):
     twin.cached_cpu_step = obs.cached_cpu_step = False
     feed(obs, twin, [g(18, 8, 64), g(19, 8, 64)])
     assert "_hist_plans" not in obs.__dict__
+
+
+def test_a_first_grid_batch_inside_the_native_window_keeps_the_general_path(monkeypatch):
+    """``grid="first"`` (torch.ao's linear grid, set by the first batch) is never the cached
+    step's: its state (``hist_exp`` -126, ``hist_first`` 0) leaves the fused pass a window so
+    small that ordinary values miss it, but an all-zero batch (a dead ReLU, a padding batch)
+    lands in it, and a taken call would rebin the linear counts as a pow2 grid's (mutant H22
+    of s50: a percentile range of +-0.95 where the general path keeps +-4.1)."""
+    obs, twin = pair("percentile", grid="first")
+    count = CountGeneral(monkeypatch)
+    xs = [g(0, 8, 64), torch.zeros(8, 64), g(1, 8, 64, scale=0.5), torch.zeros(64)]
+    feed(obs, twin, xs)
+    assert count.calls == 2 * len(xs)
+    assert bool(obs.linear_grid)
+    ranges_equal(obs, twin)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -239,6 +258,20 @@ def test_half_batches_of_one_piece_take_the_cached_step(dtype, monkeypatch):
 def test_errors_after_the_plan_is_cached():
     obs, twin = pair("percentile", QuantSpec("int8", Channel(0)))
     feed(obs, twin, [g(0, 8, 32)] * 2)
+    # a per-channel state of one unit (sized by (1, E) batches, the cached step's), then
+    # (8, E): the general path's "unit count changed" error, nothing counted (mutant H01)
+    obs, twin = pair("percentile", QuantSpec("int8", Channel(0)))
+    feed(obs, twin, [g(0, 1, 32), g(1, 1, 32)])
+    assert call(obs, g(2, 8, 32)) == call(twin, g(2, 8, 32)) is not None
+    same_state(obs, twin)
+    # per-tensor (8, E) batches, then a per-channel spec: under it the last shape held 8
+    # units, the state 1, so a (1, E) batch is the same error (mutant H05)
+    obs, twin = pair("percentile")
+    feed(obs, twin, [g(0, 8, 32)] * 2)
+    for o in (obs, twin):
+        o.spec = QuantSpec("int8", Channel(0))
+    assert call(obs, g(3, 1, 32)) == call(twin, g(3, 1, 32)) is not None
+    same_state(obs, twin)
     obs, twin = pair("histogram")
     feed(obs, twin, [g(0, 8, 32)] * 2)
     assert "_hist_plans" in obs.__dict__
