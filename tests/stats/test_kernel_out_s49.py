@@ -43,20 +43,47 @@ def test_a_block_it_takes_is_written_into_the_callers_tensors_and_bumped():
                                               x[:, 2048:].amin(1)[:, None]), 1).view(-1))
 
 
-@pytest.mark.parametrize("bad", [
+@pytest.mark.parametrize("make", [
     lambda n: (torch.zeros(n, dtype=torch.float64), torch.zeros(n)),
     lambda n: (torch.zeros(n + 1), torch.zeros(n)),
     lambda n: (torch.zeros(2 * n)[::2], torch.zeros(n)),
+    lambda n: (torch.zeros(n), torch.zeros(2 * n)[::2]),
     lambda n: None,
-], ids=["float64", "shape", "strided", "none"])
-def test_out_buffers_takes_the_callers_tensors_only_where_a_kernel_can_write_them(bad):
+], ids=["float64", "shape", "strided", "strided second", "none"])
+def test_out_buffers_takes_the_callers_tensors_only_where_a_kernel_can_write_them(make):
+    """The caller's pair is taken where a kernel can write it as ``n`` contiguous float32s,
+    else two new buffers: checked by identity against the very tensors the caller gave (s50's
+    K09: a second call of the factory made new tensors, so a strided pair taken passed)."""
     good = torch.zeros(5), torch.zeros(5)
     assert kernels.out_buffers(5, lambda n: good) is good
-    fresh = kernels.out_buffers(5, bad)
-    theirs = bad(5) or ()
-    assert all(t.shape == (5,) and t.dtype == torch.float32 for t in fresh)
-    assert not any(f is t for f in fresh for t in theirs)
+    theirs = make(5)
+    fresh = kernels.out_buffers(5, lambda n: theirs)
+    assert all(t.shape == (5,) and t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu
+               for t in fresh)
+    assert not any(f is t for f in fresh for t in theirs or ())
     assert all(t.shape == (5,) for t in kernels.out_buffers(5))
+
+
+@needs_kernel
+def test_a_strided_pair_from_the_caller_is_not_written_as_contiguous_memory():
+    """A kernel writes its out pair as ``n`` contiguous float32s: a strided ``[n]`` view taken
+    as it is would get the values in the wrong places and its storage's gaps overwritten."""
+    x = torch.randn(40, 2050)
+    storage = torch.zeros(160)
+    lo, hi = minmax_layouts.layout_minmax(x, Block(2048), lambda n: (storage[::2], storage[1::2]))
+    want = minmax_layouts.layout_minmax(x, Block(2048))
+    assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
+    assert not storage.any()  # the caller's memory is not written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_out_buffers_refuses_a_callers_cuda_pair():
+    """The kernels write host memory: a CUDA pair (an observer's state on the GPU) is never
+    handed to them, however contiguous (s50's K08, not reachable without a device)."""
+    theirs = torch.zeros(5, device="cuda"), torch.zeros(5, device="cuda")
+    fresh = kernels.out_buffers(5, lambda n: theirs)
+    assert all(t.is_cpu and t.shape == (5,) and t.dtype == torch.float32 for t in fresh)
+    assert not any(f is t for f in fresh for t in theirs)
 
 
 @pytest.mark.parametrize("failed, result, bumped", [(0, True, True), (-1, False, False),
