@@ -66,6 +66,33 @@ def test_padded_rows_read_in_place_equal_the_units_path(size, blocks, tail, more
     assert equal(got, want)
 
 
+#: a block whose -0.0 / +0.0 tie the row kernel settles apart in a quad of rows (-0.0) and in
+#: a share's last rows, one at a time (+0.0): which of them a unit meets is the share cut's
+TIE = torch.tensor([-0.0, 1.0, -0.0, -0.0, -0.0, 0.0, -0.0, 1.0, 0.0, -0.0, 1.0, 0.0, 0.0, 1.0,
+                    0.0, 0.0, 1.0, -0.0, 0.0, 0.0, -0.0, 0.0, 0.0, -0.0, -0.0, -0.0, 1.0, 1.0,
+                    -0.0, 0.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize("rows, threads", [(2, 3), (2, 5), (3, 4), (3, 5)])
+def test_fewer_rows_than_threads_cut_the_units_shares(rows, threads):
+    """A few long rows on more threads than rows (a 3 x 41026 activation on 4 threads): the
+    pass cuts its units into the shares the units path's row kernel takes on the padded copy
+    (``_threads(U * size, U)``), so each zero's sign is the units path's, bit for bit (mutant
+    R03 of s50: shares cut by rows, which the property test's 8 rows or more never met)."""
+    W = 1282 * 32 + 2
+    xs = [torch.cat((TIE.repeat(rows, 1282), torch.full((rows, 2), 0.5)), 1)]
+    xs += [ties((rows, W), torch.float32, seed) for seed in range(3)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(stats, "THREAD_MIN_NUMEL", 1 << 12):
+            for x in xs:
+                got = minmax_layouts.layout_minmax(x, Block(32))
+                assert got is not None and equal(got, kernel_copy_path(x, Block(32)))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("lead", [(), (3,)], ids=str)
 def test_one_pass_over_a_weight_and_a_transposed_one(lead, dtype):
