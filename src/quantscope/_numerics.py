@@ -49,7 +49,8 @@ def expansion_overflow(lo: torch.Tensor, hi: torch.Tensor, expand: float
                        ) -> tuple[float, str] | None:
     """``(the largest finite |end| of the ranges lo, hi, the dtype's name)`` where ``expand``
     takes an end past float32's max, or past the ranges' own dtype's where that is narrower
-    (fp16 statistics are expanded in fp16); None where none is. The product is taken in the
+    (fp16 statistics are expanded in fp16); None where none is (an inf / NaN end is none:
+    observed non-finite values have their own refusal). The product is taken in the
     ranges' own dtype and only then held to the limit, so the answer is monotone in
     ``expand``: a float64 end past float32's max that ``expand < 1`` brings back passes. One
     host read, only where ``expand != 1``."""

@@ -44,3 +44,17 @@ def test_narrower_and_float32_statistics_as_before():
     assert expansion_overflow(torch.tensor([-40000.0], dtype=torch.float16),
                               torch.tensor([1.0], dtype=torch.float16), 2.0) == (40000.0,
                                                                                 "float16")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_an_infinite_or_nan_end_is_left_to_its_own_refusal(bad, dtype):
+    """A range holding inf / NaN (observed non-finite values, which their own check names)
+    is no ``expand`` overflow: None where the finite ends fit, and the largest *finite* end
+    where one overflows (s50's mutants X03 / X05: an inf end reported as an expand overflow
+    "(max |x| = 2)", and inf given as the largest end)."""
+    lo = torch.tensor([-bad, -1.0, 0.5], dtype=dtype)
+    hi = torch.tensor([1.0, 2.0, bad], dtype=dtype)
+    assert expansion_overflow(lo, hi, 1.5) is None
+    lo[1], hi[1] = -3e38, 3e38
+    assert expansion_overflow(lo, hi, 1.5) == (pytest.approx(3e38, rel=1e-6), "float32")
