@@ -37,7 +37,7 @@ from .._checks import write_refused
 from ..stats import histogram as H
 from ..stats import minmax as _stats
 from .base import tokens_of
-from .step_cache import cached_plan
+from .step_cache import cached_plan, new_shape
 
 __all__ = ["calls_forward", "cpu_step"]
 
@@ -178,9 +178,8 @@ def cpu_step(obs, x, base: type) -> bool:
     E = cached_plan(obs, x, "_first_plans", _plan)
     if E is None:
         return False
-    last = obs._last_shape
-    new_shape = last != x.shape
-    if new_shape and last is not None and obs.spec.layout.num_units(last) != 1:
+    shape_is_new = new_shape(obs, x)
+    if shape_is_new is None:
         return False  # the general path says what is wrong
     bufs = obs._buffers
     if not torch.is_inference_mode_enabled():  # (first: it may replace buffers)
@@ -228,6 +227,6 @@ def cpu_step(obs, x, base: type) -> bool:
     tokens, n = bufs["observed_tokens"], tokens_of(x)
     if not kernels.add(tokens, n, context=False):  # (count_batch's direct count)
         tokens.add_(n)
-    if new_shape:
+    if shape_is_new:
         obs.set_shape(x.shape)
     return True

@@ -31,7 +31,7 @@ from .. import kernels
 from ..stats import hist_kernel
 from ..stats.histogram import STATE_BUFFERS
 from .base import tokens_of
-from .step_cache import cached_plan
+from .step_cache import cached_plan, new_shape
 
 __all__ = ["MISSED", "cpu_step"]
 
@@ -114,9 +114,8 @@ def cpu_step(obs, x, base: type) -> bool:
     plan = cached_plan(obs, x, "_hist_plans", _plan)
     if plan is None:
         return False
-    last = obs._last_shape
-    new_shape = last != x.shape
-    if new_shape and last is not None and obs.spec.layout.num_units(last) != 1:
+    shape_is_new = new_shape(obs, x)
+    if shape_is_new is None:
         return False  # the general path says what is wrong
     obs.leave_inference_mode()  # (first: it may replace buffers)
     bufs = obs._buffers
@@ -154,6 +153,6 @@ def cpu_step(obs, x, base: type) -> bool:
     tokens = bufs["observed_tokens"]
     if not kernels.add(tokens, plan[1], context=False):  # (count_batch's direct count)
         tokens.add_(plan[1])
-    if new_shape:
+    if shape_is_new:
         obs.set_shape(x.shape)
     return True

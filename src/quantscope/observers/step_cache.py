@@ -3,12 +3,12 @@
 histogram's, ModelOpt's): their one plan cache and the names
 of the observer attributes they keep caches in, which no copy or pickle carries
 (``Observer.__getstate__`` leaves them out: a scratch's address is its own object's memory,
-which a copy would write into).
+which a copy would write into), and the one-unit steps' test of the last shape.
 """
 
 from __future__ import annotations
 
-__all__ = ["CACHES", "MAX_PLANS", "cached_plan"]
+__all__ = ["CACHES", "MAX_PLANS", "cached_plan", "new_shape"]
 
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
@@ -34,3 +34,15 @@ def cached_plan(obs, x, attr: str, make):
         plans.clear()
     plan = plans[key] = make(obs, x)
     return plan
+
+
+def new_shape(obs, x) -> bool | None:
+    """The one-unit steps' (:mod:`.hist_step`, :mod:`.first_step`) test of the last shape:
+    whether ``x``'s shape is new to ``obs`` (the step then records it), or None where the
+    last shape held other than one unit under the spec now (a unit count changed, or the
+    spec since): the step does not take the call, the general path says what is wrong."""
+    last = obs._last_shape
+    new = last != x.shape
+    if new and last is not None and obs.spec.layout.num_units(last) != 1:
+        return None
+    return new
