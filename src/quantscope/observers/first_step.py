@@ -37,7 +37,7 @@ from .._checks import write_refused
 from ..stats import histogram as H
 from ..stats import minmax as _stats
 from .base import tokens_of
-from .step_cache import cached_plan, new_shape
+from .step_cache import cached_plan, leave_inference_mode, new_shape
 
 __all__ = ["calls_forward", "cpu_step"]
 
@@ -181,12 +181,8 @@ def cpu_step(obs, x, base: type) -> bool:
     shape_is_new = new_shape(obs, x)
     if shape_is_new is None:
         return False  # the general path says what is wrong
+    leave_inference_mode(obs)  # (first: it may replace buffers)
     bufs = obs._buffers
-    if not torch.is_inference_mode_enabled():  # (first: it may replace buffers)
-        for buf in bufs.values():  # (its loop, without the call: most calls' cost)
-            if buf is not None and buf.is_inference():
-                obs.leave_inference_mode()
-                break
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     grid = _grid(bufs)
     if (grid is None or slo.shape != (1,) or shi.shape != (1,) or not slo.is_cpu

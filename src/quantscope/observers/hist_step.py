@@ -13,7 +13,8 @@ only tests what can change between calls (the context, the state's tensors, the 
 then makes the fused kernel call the general path makes, into fresh state tensors that the
 buffers take as the general path's ``_store`` gives them: the same state, bit for bit, the
 same tensor versions, flags and counts. The tests are the general path's own (the observer's
-``leave_inference_mode`` and ``_check_size``, ``hist_kernel.state_ok``, ``kernels.add``,
+``leave_inference_mode``, where :func:`.step_cache.leave_inference_mode` finds it has work, and
+``_check_size``, ``hist_kernel.state_ok``, ``kernels.add``,
 ``stats.histogram.STATE_BUFFERS``), called with the context tested once. A miss of the fused
 pass (a value outside its window, NaN / inf, an empty state) changes nothing but
 ``obs._pass[0]`` (:data:`MISSED`), and the general path runs with its two-pass update: its
@@ -31,7 +32,7 @@ from .. import kernels
 from ..stats import hist_kernel
 from ..stats.histogram import STATE_BUFFERS
 from .base import tokens_of
-from .step_cache import cached_plan, new_shape
+from .step_cache import cached_plan, leave_inference_mode, new_shape
 
 __all__ = ["MISSED", "cpu_step"]
 
@@ -117,7 +118,7 @@ def cpu_step(obs, x, base: type) -> bool:
     shape_is_new = new_shape(obs, x)
     if shape_is_new is None:
         return False  # the general path says what is wrong
-    obs.leave_inference_mode()  # (first: it may replace buffers)
+    leave_inference_mode(obs)  # (first: it may replace buffers)
     bufs = obs._buffers
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     B = bufs["hist_counts"].shape[-1]

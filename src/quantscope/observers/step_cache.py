@@ -3,12 +3,14 @@
 histogram's, ModelOpt's): their one plan cache and the names
 of the observer attributes they keep caches in, which no copy or pickle carries
 (``Observer.__getstate__`` leaves them out: a scratch's address is its own object's memory,
-which a copy would write into), and the one-unit steps' test of the last shape.
+which a copy would write into), and two tests the one-unit steps share.
 """
 
 from __future__ import annotations
 
-__all__ = ["CACHES", "MAX_PLANS", "cached_plan", "new_shape"]
+import torch
+
+__all__ = ["CACHES", "MAX_PLANS", "cached_plan", "leave_inference_mode", "new_shape"]
 
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
@@ -46,3 +48,15 @@ def new_shape(obs, x) -> bool | None:
     if new and last is not None and obs.spec.layout.num_units(last) != 1:
         return None
     return new
+
+
+def leave_inference_mode(obs) -> None:
+    """``obs.leave_inference_mode()`` (the base class's: a step runs no override) where it
+    does something, outside ``torch.inference_mode`` with a buffer made under it; its test
+    without the call, which most calls then skip (a step's context is tested before: no
+    compile). A step's first update: it may replace buffers."""
+    if not torch.is_inference_mode_enabled():
+        for buf in obs._buffers.values():
+            if buf is not None and buf.is_inference():
+                obs.leave_inference_mode()
+                return
