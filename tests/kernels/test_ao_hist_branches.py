@@ -2,7 +2,8 @@
 
 The native build (AVX-512 on this project's machines) is checked against torch's ops in
 tests/compat/test_ao_histogram.py; CI machines without AVX-512 run the AVX2 branch, and
-machines without AVX2 the scalar one, so each is built here and compared with it.
+machines without AVX2 the scalar one, so each is built here (once: the ``branch`` fixture)
+and compared with it.
 """
 
 import pytest
@@ -13,6 +14,16 @@ from quantscope.stats import ao_histogram
 
 pytestmark = pytest.mark.skipif(CC is None or ao_histogram._kernel() is None,
                                 reason="no C compiler or no native kernel")
+
+
+@pytest.fixture(scope="module", params=[("x86-64", "sse2"), ("haswell", "avx2")],
+                ids=["scalar", "avx2"])
+def branch(request, tmp_path_factory):
+    """The kernel built for the branch (once per module), where this CPU can run it."""
+    march, flag = request.param
+    if not cpu_has(flag):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    return build("ao_hist", march, tmp_path_factory.mktemp(march))
 
 
 def _histc(so, x, bins, lo, hi, base, threads):
@@ -29,11 +40,8 @@ def _fused(so, x, bins, lo, hi, base, threads):
     return miss, mm, (out if miss == 0 else None)
 
 
-@pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
-def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
-    if not cpu_has(flag):
-        pytest.skip(f"this CPU cannot run -march={march} code")
-    branch, native = build("ao_hist", march, tmp_path), ao_histogram._kernel()
+def test_branch_bins_and_ranges_equal_the_native_build(branch):
+    native = ao_histogram._kernel()
     g = torch.Generator().manual_seed(3)
     for n in (1, 15, 17, 4099, 600_001):  # the last on 2 threads
         x = torch.randn(n, generator=g) * 3
@@ -59,14 +67,11 @@ def test_branch_bins_and_ranges_equal_the_native_build(march, flag, tmp_path):
             assert torch.equal(ra, rb) or (ra.isnan() == rb.isnan()).all()
 
 
-@pytest.mark.parametrize("march, flag", [("x86-64", "sse2"), ("haswell", "avx2")])
-def test_branch_int64_histc_equals_the_native_build(march, flag, tmp_path):
+def test_branch_int64_histc_equals_the_native_build(branch):
     """qs_ao_histc64 (the first-grid histograms' histc of |x| or x into int64 counts; the
     native build is checked against linear_counts in tests/compat/test_modelopt_first_step.py)
     on the scalar and AVX2 branches."""
-    if not cpu_has(flag):
-        pytest.skip(f"this CPU cannot run -march={march} code")
-    branch, native = build("ao_hist", march, tmp_path), ao_histogram._kernel()
+    native = ao_histogram._kernel()
     g = torch.Generator().manual_seed(4)
     for n in (1, 15, 17, 4099, 600_001):  # the last on 2 threads
         x = torch.randn(n, generator=g) * 3
