@@ -1,8 +1,10 @@
 """Probe of the ONNX external data (s49/onnxext): what ORT writes for
 ``session(optimized_model_path=...)`` never replaces a file the session reads or one
 quantscope did not write; an export through a symbolic link to another folder; the location
-check walks model-local functions and parses its entries strictly; a failed swap leaves no
-new data file; ``graph_bytes`` bounds the whole model; late refusals and their messages."""
+check walks every place a tensor can sit (functions and their defaults, sparse tensors,
+attribute lists, training graphs), parses its entries strictly and names the rule broken; a
+failed swap leaves no new data file; ``graph_bytes`` bounds the whole model; late refusals and
+their messages."""
 
 import os
 

@@ -221,6 +221,7 @@ def _node_graphs(node):
 
 
 def _attribute_graphs(attributes):
+    """The graphs ``attributes`` hold, single and lists."""
     for a in attributes:
         if a.HasField("g"):
             yield a.g
