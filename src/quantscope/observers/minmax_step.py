@@ -27,7 +27,7 @@ from ..layout import Tensor as TensorLayout
 from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
 from .base import tokens_of
-from .step_cache import cached_plan
+from .step_cache import cached_plan, leave_inference_mode, new_shape
 
 __all__ = ["cpu_step"]
 
@@ -116,11 +116,10 @@ def cpu_step(obs, x, base: type) -> bool:
     if plan is None:
         return False
     U, E, code = plan
-    last = obs._last_shape
-    new_shape = last != x.shape
-    if new_shape and last is not None and obs.spec.layout.num_units(last) != U:
+    shape_is_new = new_shape(obs, x, U)
+    if shape_is_new is None:
         return False  # the general path says what is wrong
-    obs.leave_inference_mode()
+    leave_inference_mode(obs)
     bufs = obs._buffers
     slo, shi, tokens = bufs["min_vals"], bufs["max_vals"], bufs["observed_tokens"]
     if not (_float32_state(slo, U) and _float32_state(shi, U)):
@@ -136,6 +135,6 @@ def cpu_step(obs, x, base: type) -> bool:
     n = tokens_of(x)
     if not kernels.add(tokens, n):
         tokens.add_(n)
-    if new_shape:
+    if shape_is_new:
         obs.set_shape(x.shape)
     return True

@@ -38,14 +38,15 @@ def cached_plan(obs, x, attr: str, make):
     return plan
 
 
-def new_shape(obs, x) -> bool | None:
-    """The one-unit steps' (:mod:`.hist_step`, :mod:`.first_step`) test of the last shape:
-    whether ``x``'s shape is new to ``obs`` (the step then records it), or None where the
-    last shape held other than one unit under the spec now (a unit count changed, or the
-    spec since): the step does not take the call, the general path says what is wrong."""
+def new_shape(obs, x, units: int = 1) -> bool | None:
+    """The cached steps' (:mod:`.hist_step`, :mod:`.first_step`: one unit; :mod:`.minmax_step`)
+    test of the last shape: whether ``x``'s shape is new to ``obs`` (the step then records it),
+    or None where the last shape held other than ``units`` units under the spec now (a unit
+    count changed, or the spec since): the step does not take the call, the general path says
+    what is wrong."""
     last = obs._last_shape
     new = last != x.shape
-    if new and last is not None and obs.spec.layout.num_units(last) != 1:
+    if new and last is not None and obs.spec.layout.num_units(last) != units:
         return None
     return new
 
