@@ -152,6 +152,44 @@ def test_non_finite_batches_as_documented():
         cal.compute_amax("percentile")
 
 
+def test_a_grid_grown_past_float32_is_modelopts_error_with_nothing_changed():
+    """A batch whose grown grid ends past float32's range (ModelOpt's ``arange(0, max |x| +
+    width, width)``, data near its max): ModelOpt's RuntimeError, raised before anything
+    changes, by the cached step and the general path alike, collect and forward (the counts
+    had grown to the batch's 544 bins on the old grid, and the general path's min / max to it,
+    silently: a later batch binned at the wrong width); later batches bin as if it never
+    came. Past GROW_LIMIT too (ModelOpt raises there as well)."""
+    first, huge = torch.tensor([1e37, -2e36, 5e36]), torch.tensor([3.4e38, -1.0, 2.0])
+    cal, twin = pair(num_bins=16)
+    never = HistogramCalibrator(num_bins=16)  # ModelOpt's histogram after the error
+    for o in (cal, twin, never):
+        o.collect(first)
+    before = {k: (bits(b).clone(), b._version) for k, b in cal._buffers.items()}
+    for how in ("collect", "forward"):
+        for o in (cal, twin):
+            with pytest.raises(RuntimeError, match="^unsupported range: 0 -> inf"):
+                o.collect(huge) if how == "collect" else o(huge)
+        same(cal, twin)
+        assert {k: (bits(b), b._version) for k, b in cal._buffers.items()}.keys() == before.keys()
+        for k, b in cal._buffers.items():
+            assert torch.equal(bits(b), before[k][0]) and b._version == before[k][1], k
+        assert cal._grown_top is None and cal.hist_counts.shape == (1, 16)
+    for x in (torch.tensor([2e37, 3e36, 1.0]), torch.tensor([5e36, -3e36, 2.0])):
+        feed(cal, twin, x, "collect")
+        never.collect(x)
+    for name in ("_calib_hist", "_calib_bin_edges", "min_vals", "max_vals"):
+        assert torch.equal(getattr(cal, name), getattr(never, name)), name
+    assert amaxes(cal) == amaxes(never)
+    top = torch.finfo(torch.float32).max  # + width 6.25e31 rounds to inf; 5e6 bins needed
+    tiny, twin = pair(num_bins=16)
+    feed(tiny, twin, torch.tensor([1e33, 2.0e32, 0.0]), "collect")
+    for o in (tiny, twin):
+        with pytest.raises(RuntimeError, match="unsupported range"):
+            o.collect(torch.tensor([top, 1.0, 0.0]))
+    same(tiny, twin)
+    assert tiny._linear  # not moved to the native grid
+
+
 def count_general(monkeypatch) -> list:
     calls = []
     general = observer_base.Observer.forward

@@ -331,14 +331,19 @@ class AppendingFirstGrid:
         # top of 0, non-finite data, or past the bound
         return self._pad_to(float(self._bins_needed(hi)), hi.numel())  # (one host read)
 
+    def _fits(self, need: float, units: int) -> bool:
+        """Whether the grid may grow to ``need`` bins: finite, within ``GROW_LIMIT x bins``
+        and ``max_hist_bytes`` for ``units`` units."""
+        limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * units))
+        return math.isfinite(need) and int(need) <= limit
+
     def _pad_to(self, need: float, units: int) -> bool:
         """Zero bins appended until the grid has ``need`` (at least ``MIN_APPEND`` more);
-        False, nothing done, where ``need`` is not finite or past the bound."""
+        False, nothing done, where ``need`` is not finite or past the bound (:meth:`_fits`)."""
+        if not self._fits(need, units):
+            return False
         counts = self._buffers["hist_counts"]
         old = counts.shape[1]
-        limit = min(self.GROW_LIMIT * self.bins, self.max_hist_bytes // (8 * units))
-        if not math.isfinite(need) or int(need) > limit:
-            return False
         pad = max(int(need), old + self.MIN_APPEND) - old
         if pad:  # (F.pad's op: zeros past the end)
             self._store(("hist_counts",), (torch.constant_pad_nd(counts, (0, pad)),))

@@ -148,13 +148,23 @@ class ModelOptGrid:
         float32 first grid, in Python floats where it can (:func:`bins_for`; the last edge
         ``arange(0, top + w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum
         does), the top and that edge kept at once; None where it does not apply (the grid is
-        not float32)."""
+        not float32). The end and the edges come first: an end past float32's range (data
+        near its max) is ModelOpt's ``RuntimeError`` of that ``arange``, raised with nothing
+        changed (ModelOpt's histogram stays as it was; the caller's state too: the cached
+        step and ``_observe`` grow the grid before they update the min / max)."""
         _, w, width = self._first_grid()  # (float32: the default dtype, as its key says)
         if w.dtype != torch.float32:
             return None
-        if not self._pad_to(bins_for(top, width), 1):
+        end, need = _float32(top + width), bins_for(top, width)
+        if not math.isfinite(end):
+            raise RuntimeError(f"unsupported range: 0 -> inf (modelopt {type(self).__name__}: "
+                               f"ModelOpt's edges arange(0, max |x| + width, width) for max "
+                               f"|x| {top:.6g}, width {width:.6g} end past float32's range; "
+                               f"the batch is refused, nothing changed)")
+        if not self._fits(need, 1):
             return False
-        edge = torch.arange(0, _float32(top + width), width)[-1:]
+        edge = torch.arange(0, end, width)[-1:]  # (before the pad: an error changes nothing)
+        self._pad_to(need, 1)
         self.__dict__.update(_grown_top=torch.full((), top, dtype=torch.float32),
                              _grown_edge=edge)
         return True

@@ -221,13 +221,10 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
             _, units, fused, parts = stash
         zeros = self._step_zeros if self.sync_every_step else H.padding_zeros(units, parts)
         U = units.shape[0]
-        if self.min_vals.shape[0] != U:
+        if not (running := self.min_vals.shape[0] == U):  # a first batch
             self.min_vals, self.max_vals = lo.clone(), hi.clone()
             self._set_state(H.empty_state(U, self.bins, units.device))
             self.linear_grid.fill_(self.grid == "first")
-        else:
-            torch.minimum(self.min_vals, lo, out=self.min_vals)
-            torch.maximum(self.max_vals, hi, out=self.max_vals)
         if self.hist_counts.shape[0] != U:  # after an EMA step reset
             self._set_state(H.empty_state(U, self.bins, units.device))
         if fused is None and self._linear:
@@ -238,6 +235,9 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
             self._set_state(fused or H.update(self._state(), units, lo, hi, self._absolute,
                                               inplace=True))
             self._drop_zeros(units, zeros)
+        if running:  # after the counts: a grid's growth that refuses the batch changed nothing
+            torch.minimum(self.min_vals, lo, out=self.min_vals)
+            torch.maximum(self.max_vals, hi, out=self.max_vals)
         if self.averaging_constant is not None:
             self._interval_batch(lo, hi)
 
