@@ -72,8 +72,8 @@ cached step in ``collect`` and ``forward`` (:mod:`quantscope.observers.first_ste
 (:mod:`.modelopt_grid`) and one C pass of ``torch.histc`` of ``|x|`` into the int64 counts,
 the state bit for bit the general path's (``cached_cpu_step = False`` keeps that path). A NaN
 / inf batch changes nothing there and is refused (``collect``) or recorded (``forward``) as
-above. One thread, 256-1K values: ~23 us a call (ModelOpt's ``collect``: 31-37 us), 48-51 us
-where each batch grows the grid (ModelOpt's: 51-55 us); docs/benchmarks.md, histogram.
+above. One thread, 256-1K values: 23-25 us a call (ModelOpt's ``collect``: 31-37 us), 48-51
+us where each batch grows the grid (ModelOpt's: 49.5-56 us); docs/benchmarks.md, histogram.
 
 Data that is all subnormal (a first grid whose float32 width ``max |x| / num_bins``
 underflows) is estimated on that histogram scaled by a power of two
