@@ -10,7 +10,7 @@ from op_names import OpNames
 from torch import nn
 
 from quantscope.calibration import calibrate
-from quantscope.calibration.run import observe
+from quantscope.calibration.run import non_finite, observe
 from quantscope.calibration.run.non_finite import NONE, FirstBad, Watched, exchanged, first_of
 
 
@@ -92,6 +92,67 @@ def test_observers_moving_device_keep_the_batch_their_flag_was_set_after():
             watched[2][3].seen_non_finite = torch.ones((), dtype=torch.bool, device="cuda")
         bad.end_batch()
     assert bad.first() == (2, 1)
+
+
+class _Flag:
+    """An observer's ``seen_non_finite`` 'on' ``device`` (a name: CPU CI has one device)."""
+
+    def __init__(self, value: bool, device: str):
+        self.t, self.device = torch.tensor(value), device
+
+
+class _Counts:
+    """FirstBad's int64 counts 'on' a device; each read back (on a GPU, a host sync) listed."""
+
+    def __init__(self, n: int, device: str, reads: list):
+        self.t, self.device, self.reads = torch.zeros(n, dtype=torch.int64), device, reads
+
+    def add_(self, flags):
+        self.t.add_(flags)
+        return self
+
+    def tolist(self):
+        self.reads.append(self.device)
+        return self.t.tolist()
+
+
+@pytest.fixture
+def devices(monkeypatch) -> list:
+    """FirstBad's torch ops on named fake devices (:class:`_Flag`, :class:`_Counts`): the
+    reads of the counts, listed."""
+    reads: list = []
+    fake = SimpleNamespace(zeros=lambda n, dtype, device: _Counts(n, device, reads),
+                           stack=lambda flags: torch.stack([f.t for f in flags]),
+                           int64=torch.int64)
+    monkeypatch.setattr(non_finite, "torch", fake)
+    return reads
+
+
+def _holders(devices_of):
+    return [SimpleNamespace(seen_non_finite=_Flag(False, d)) for d in devices_of]
+
+
+def _move(holder, device):  # observe.py's obs.to(x.device): a new flag, its value kept
+    holder.seen_non_finite = _Flag(bool(holder.seen_non_finite.t), device)
+
+
+def test_observers_moving_device_are_not_read_until_the_pass_ends(devices):
+    """A GPU pass moves each observer to its data's device at its first call (an MoE expert
+    first routed in a later batch): the counts of a device whose rows changed are kept, not
+    read back then (a host sync per such batch: 24 in 64 batches of a 24-layer, 64-expert
+    top-2 model), and read with the others by first()."""
+    holders = _holders(["cpu"] * 6)
+    bad = FirstBad([Watched(f"expert{i}", "input", "minmax", h) for i, h in enumerate(holders)])
+    for k in range(6):
+        _move(holders[k], "cuda")  # expert k first routed in batch k
+        if k == 3:
+            holders[1].seen_non_finite.t.fill_(True)  # on the GPU since batch 1
+        bad.end_batch()
+    assert devices == []  # nothing read during the pass
+    assert bad.first() == (1, 3)
+    reads = len(devices)
+    assert set(devices) == {"cpu", "cuda"}
+    assert bad.first() == (1, 3) and len(devices) == reads  # asked twice: read once
 
 
 def test_the_pass_tracks_non_finite_values_once_per_batch_not_per_call(monkeypatch):

@@ -1,10 +1,13 @@
-"""Which calibration batch first brought NaN or inf to an observer, named without a sync.
+"""Which calibration batch first brought NaN or inf to an observer, named with no sync during
+the pass.
 
 An observer in ``non_finite="error"`` mode keeps a flag (``seen_non_finite``) that its
 ``forward`` sets without reading anything back; the flag stays set. :class:`FirstBad` stacks
 every such flag at each batch's end and counts, per flag, the batches after which it was
 set: two ops per device a batch (not one per observer call: a GPU's host pays for each op),
-memory that does not grow with the batches, one read per device after the pass.
+memory that grows with the observers' moves to another device, not with the batches, and
+nothing read back before the pass ends (then one read per device, and one per batch where
+observers moving device changed a device's rows: those counts kept unread till then).
 Ranks that forwarded their shares of the batches agree on one process's answer
 (:func:`first_of`).
 
@@ -56,7 +59,12 @@ class FirstBad:
     def __init__(self, watched: list[Watched], number=None):
         self.watched, self.number, self.ended = watched, number, 0
         self.counts: dict = {}  # device -> (rows of watched, int64 [rows]: batches set after)
-        self.settled: dict[int, int] = {}  # row -> first set batch, where its device changed
+        # (rows, counts, batches ended): a device's counts before its rows changed (observers
+        # moved there or away: observe.py moves each to its data's device at its first call),
+        # kept unread (a GPU's read is a host sync) for first(): one per device and batch where
+        # its rows changed
+        self.retired: list = []
+        self.settled: dict[int, int] = {}  # row -> first set batch (first() reads into it)
 
     def end_batch(self) -> None:
         """Count the flags set after the batch that just ran."""
@@ -69,26 +77,25 @@ class FirstBad:
             rows.append(i)
             flags.append(flag)
         for device in [d for d, (rows, _) in self.counts.items()
-                       if by_device.get(d, (None,))[0] != rows]:  # observers moved: rare
-            self._settle(*self.counts.pop(device))
+                       if by_device.get(d, (None,))[0] != rows]:  # observers moved
+            self.retired.append((*self.counts.pop(device), self.ended))  # read in first()
         for device, (rows, flags) in by_device.items():
-            if device not in self.counts:  # (a row set before it moved here is settled)
+            if device not in self.counts:  # (a row set before it moved here: retired)
                 self.counts[device] = (rows, torch.zeros(len(rows), dtype=torch.int64,
                                                          device=device))
             self.counts[device][1].add_(torch.stack(flags))
         self.ended += 1
 
-    def _settle(self, rows, counts) -> None:
-        for i, c in zip(rows, counts.tolist()):
-            if c:
-                self.settled[i] = min(self.ended - c, self.settled.get(i, NONE))
-
     def first(self) -> tuple[int, object] | None:
         """``(row of watched, batch)`` of the first watched observer (in ``watched``'s order)
         whose flag is set, and the first batch after which it was; None: none is set. One
-        read per device."""
-        for device in list(self.counts):
-            self._settle(*self.counts.pop(device))
+        read per counts tensor: a device's, and each retired one (:attr:`retired`)."""
+        held = [*self.retired, *((*self.counts.pop(d), self.ended) for d in list(self.counts))]
+        self.retired = []
+        for rows, counts, ended in held:
+            for i, c in zip(rows, counts.tolist()):
+                if c:
+                    self.settled[i] = min(ended - c, self.settled.get(i, NONE))
         if not self.settled:
             return None
         i = min(self.settled)
