@@ -2,6 +2,7 @@
 the host pays for every op of an observer call; the flags are read at each batch's end, not
 counted per call), in memory that does not grow with the batches."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -153,6 +154,38 @@ def test_observers_moving_device_are_not_read_until_the_pass_ends(devices):
     reads = len(devices)
     assert set(devices) == {"cpu", "cuda"}
     assert bad.first() == (1, 3) and len(devices) == reads  # asked twice: read once
+
+
+def test_observers_moving_device_keep_the_batch_their_flag_was_set_after_on_the_cpu(devices):
+    """Rows moving between devices (named: the CPU test of what the CUDA one checks) before,
+    after and in the batch their flag is set, with and without a batch number mapping: each
+    row's first set batch is the one a per-batch record gives."""
+    for seed in range(400):
+        assert _scenario(seed), seed
+
+
+def _scenario(seed: int) -> bool:
+    rng = random.Random(seed)
+    names = ["cpu", "cuda:0", "cuda:1"][:rng.randint(1, 3)]
+    holders = _holders(rng.choice(names) for _ in range(rng.randint(1, 6)))
+    number = (lambda k: 3 * k + 1) if seed % 2 else None
+    bad = FirstBad([Watched(f"l{i}", "input", "minmax", h) for i, h in enumerate(holders)],
+                   number)
+    first_set: dict[int, int] = {}
+    for k in range(rng.randint(0, 12)):
+        for i, h in enumerate(holders):
+            r = rng.random()
+            if r < 0.08:
+                h.seen_non_finite.t.fill_(True)
+            elif r < 0.3:
+                _move(h, rng.choice(names))
+            if bool(h.seen_non_finite.t):
+                first_set.setdefault(i, k)
+        bad.end_batch()
+    want = None if not first_set else (min(first_set), first_set[min(first_set)])
+    if want is not None and number is not None:
+        want = (want[0], number(want[1]))
+    return bad.first() == want
 
 
 def test_the_pass_tracks_non_finite_values_once_per_batch_not_per_call(monkeypatch):
