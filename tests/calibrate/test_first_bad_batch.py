@@ -227,4 +227,3 @@ def test_first_of_the_ranks_answers_is_one_process_answer():
     assert first_of(answers) == (0, 2)
     assert first_of([[NONE, NONE], [2, 1]]) == (2, 1)
     assert first_of([exchanged(None)] * 2) is None
-    assert first_of([exchanged((1, None)), [NONE, NONE]]) == (1, None)

@@ -54,10 +54,11 @@ class FirstBad:
     """The flags of ``watched`` (:class:`Watched` rows, in the order the errors name them,
     :func:`watched`), counted at the end of each batch (:meth:`end_batch`): a flag stays
     set, so a flag set after ``c`` of ``n`` batches was first set after batch ``n - c``
-    (counting from 0). ``number(k)``: the number errors give the ``k``-th batch (None: k)."""
+    (counting from 0). ``batch_index(k)``: the number errors give the ``k``-th batch (None:
+    k; :func:`~.observe.observe_batches`' own ``batch_index``)."""
 
-    def __init__(self, watched: list[Watched], number=None):
-        self.watched, self.number, self.ended = watched, number, 0
+    def __init__(self, watched: list[Watched], batch_index=None):
+        self.watched, self.batch_index, self.ended = watched, batch_index, 0
         self.counts: dict = {}  # device -> (rows of watched, int64 [rows]: batches set after)
         # (rows, counts, batches ended): a device's counts before its rows changed (observers
         # moved there or away: observe.py moves each to its data's device at its first call),
@@ -86,7 +87,7 @@ class FirstBad:
             self.counts[device][1].add_(torch.stack(flags))
         self.ended += 1
 
-    def first(self) -> tuple[int, object] | None:
+    def first(self) -> tuple[int, int] | None:
         """``(row of watched, batch)`` of the first watched observer (in ``watched``'s order)
         whose flag is set, and the first batch after which it was; None: none is set. One
         read per counts tensor: a device's, and each retired one (:attr:`retired`)."""
@@ -100,7 +101,7 @@ class FirstBad:
             return None
         i = min(self.settled)
         k = self.settled[i]
-        return i, k if self.number is None else self.number(k)
+        return i, k if self.batch_index is None else self.batch_index(k)
 
     def check(self, model=None) -> None:
         """Raise :meth:`error` of :meth:`first`, if any."""
@@ -108,40 +109,36 @@ class FirstBad:
         if found is not None:
             raise self.error(*found, model)
 
-    def error(self, i: int, batch, model=None) -> ValueError:
+    def error(self, i: int, batch: int, model=None) -> ValueError:
         """The ``ValueError`` naming the layer, role and batch where watched observer ``i``
         first saw NaN or inf, and a parameter of ``model`` that holds them, the likelier
         cause."""
         layer, role, name, _, runtime = self.watched[i]
-        where = "a calibration batch" if batch is None else f"calibration batch {batch}"
         own = nan_parameter(model)
         cause = (f"the model's own parameter {own!r} holds NaN or inf: fix it" if own
                  else "fix that batch (or what makes the model produce them)")
         kind = "dynamic role, " if runtime else ""
         if runtime:  # the option that reads them as zero instead
             cause += ", or give the role options={'non_finite': 'ignore'} to read them as zero"
-        return ValueError(f"calibrate: layer {layer!r} {role}: {where} (counting from 0) "
-                          f"brought NaN or inf values ({kind}observer {name!r}); {cause}")
+        return ValueError(f"calibrate: layer {layer!r} {role}: calibration batch {batch} "
+                          f"(counting from 0) brought NaN or inf values ({kind}observer "
+                          f"{name!r}); {cause}")
 
 
-def exchanged(found: tuple[int, object] | None) -> list[int]:
-    """:meth:`FirstBad.first`'s answer as two integers for a collective (:data:`NONE` where
-    there is none)."""
-    if found is None:
-        return [NONE, NONE]
-    return [found[0], NONE if found[1] is None else found[1]]
+def exchanged(found: tuple[int, int] | None) -> list[int]:
+    """:meth:`FirstBad.first`'s answer as two integers for a collective (:data:`NONE` twice
+    where there is none)."""
+    return [NONE, NONE] if found is None else list(found)
 
 
-def first_of(answers) -> tuple[int, object] | None:
+def first_of(answers) -> tuple[int, int] | None:
     """One process's :meth:`FirstBad.first` from each rank's :func:`exchanged` answer over
     its own share of the batches (numbered as one process numbers them; the ranks watch the
     same rows): the least row, then the least batch of that row. A rank's answer is its
     least row and that row's first batch, and a rank whose least row is another never set
     this one's flag, so the pair least in that order is one process's answer over them all."""
     i, batch = min(map(tuple, answers))
-    if i == NONE:
-        return None
-    return i, None if batch == NONE else batch
+    return None if i == NONE else (i, batch)
 
 
 def watched(slots) -> list:
