@@ -70,6 +70,29 @@ def test_auto_candidates_must_not_be_empty():
     assert Auto(candidates=["minmax", "auto"]).candidates == ("minmax", "auto")
 
 
+def test_auto_among_the_candidates_is_read_in_any_case():
+    # review s51: "auto" was ignored but "AUTO" refused as an unknown observer, where every
+    # other candidate name and observer="AUTO" everywhere else is read in any case
+    from quantscope.calibration.run.observe import candidates_for
+
+    for spelt in ("AUTO", "Auto"):
+        assert Auto(candidates=["minmax", spelt]).candidates == ("minmax", spelt)
+        assert candidates_for("input", ("minmax", spelt)) == ["minmax"]
+        assert candidates_for("weight", (spelt, "mse")) == ["memoryless_mse"]
+        with pytest.raises(ValueError, match=r"Auto\.candidates is empty but for 'auto' itself"):
+            Auto(candidates=[spelt, "auto"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    batches = [torch.randn(8, 16) for _ in range(2)]
+    calibs = [calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                        auto=Auto(candidates=["minmax", spelt, "mse"], metric="tensor"))
+              for spelt in ("auto", "AUTO")]
+    chosen = [{(layer, role): state.observer for layer, roles in c.states.items()
+               for role, state in roles.items()} for c in calibs]
+    assert chosen[0] == chosen[1] and set(chosen[0].values()) <= {
+        "minmax", "mse", "memoryless_minmax", "memoryless_mse"}
+
+
 @pytest.mark.parametrize("metric", ["tensor", "joint", "output"])
 def test_a_loss_no_metric_calls_is_refused(metric):
     # probing: Auto(metric="tensor", loss=f) calibrated without ever calling f

@@ -32,6 +32,7 @@ from .._checks import FrozenDict, as_int, as_number, is_finite, outside_quantsco
 from .choice.candidates import check_candidates
 from .choice.sensitivity import FALLBACK_MODES
 from .choice.smooth import check as _check_alpha
+from .role_observers import AUTO, folded
 from .run.dist_pass import check_group
 from .run.finish import MISSING_POLICIES
 from .run.sequential import MODES
@@ -119,8 +120,8 @@ class Auto:
     """How ``observer="auto"`` chooses.
 
     Attributes:
-        candidates: the observers it chooses from (None: those of
-            :data:`~.recipe.DEFAULT_CANDIDATES` that are registered).
+        candidates: the observers it chooses from, named in any case (None: those of
+            :data:`~.recipe.DEFAULT_CANDIDATES` that are registered; ``"auto"`` is ignored).
         metric: what it minimises: ``"model"`` (default) the divergence of the model's output
             from the float model's on ``score_tokens`` calibration tokens, among whole
             configurations (:mod:`.auto`); per layer, ``"joint"`` the layer's output error
@@ -148,7 +149,7 @@ class Auto:
             if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"calibrate: Auto.candidates must be a list of observer "
                                  f"names, got {c!r}")
-            if not set(names) - {"auto"}:  # else it fails once calibration starts
+            if not set(map(folded, names)) - {AUTO}:  # else it fails once calibration starts
                 but = " but for 'auto' itself, which is ignored" if names else ""
                 raise ValueError(f"calibrate: Auto.candidates is empty{but}; give at least one "
                                  f"observer name, or None for the default candidates")

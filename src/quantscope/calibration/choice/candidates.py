@@ -17,7 +17,7 @@ from dataclasses import replace
 from ..._checks import outside_quantscope
 from ...observers.registry import get_observer
 from ..recipe import AUTO, Recipe, weight_observer
-from ..role_observers import observed
+from ..role_observers import folded, observed
 
 __all__ = ["as_candidate", "auto_keys", "check_candidates", "check_options", "expand", "has_auto",
            "ignores_non_finite", "reads_as_zero", "refusals", "refused_by_model"]
@@ -26,7 +26,8 @@ __all__ = ["as_candidate", "auto_keys", "check_candidates", "check_options", "ex
 def check_candidates(names) -> None:
     """``Auto.candidates``: each a native observer of the registry, which auto makes for each
     role's spec (a compat class, ``"torch.ao:MinMaxObserver"``, takes no spec: it would be
-    refused on every layer), or ``"auto"`` (ignored); else a ``ValueError`` naming it."""
+    refused on every layer), or ``"auto"`` in any case (ignored); else a ``ValueError``
+    naming it."""
     from ...observers.registry import list_observers, observer_class
 
     for name in names:
@@ -35,7 +36,7 @@ def check_candidates(names) -> None:
             why = ("a compat class configured by its own arguments, which takes no spec"
                    if ":" in name else None)
         except ValueError:
-            why = "unknown observer" if name != AUTO else None
+            why = "unknown observer" if folded(name) != AUTO else None
         if why is not None:
             native = [n for n in list_observers() if ":" not in n]
             raise ValueError(f"calibrate: Auto.candidates names {name!r}: {why}; auto's "

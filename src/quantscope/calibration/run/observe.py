@@ -28,7 +28,7 @@ from ...observers.grouped import observe_many
 from ...observers.registry import get_observer, observer_class
 from ...spec import QuantSpec
 from ..recipe import AUTO, DEFAULT_CANDIDATES, Role, weight_observer
-from ..role_observers import observed
+from ..role_observers import folded, observed
 from ..structure import fusion, kv_cache
 from ..structure.conv1d import observer_options
 from . import heap, non_finite
@@ -90,7 +90,7 @@ def candidates_for(role: str, candidates) -> list[str]:
     names = list(DEFAULT_CANDIDATES if candidates is None else candidates)
     out = []
     for n in names:
-        if n == AUTO:
+        if folded(n) == AUTO:  # (any case, as the registry reads the others)
             continue
         try:
             observer_class(n)
