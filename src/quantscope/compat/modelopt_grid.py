@@ -20,12 +20,9 @@ import warnings
 import torch
 
 from .. import kernels
+from ..observers.step_cache import CACHES
 
-__all__ = ["GRID_CACHES", "ModelOptGrid"]
-
-#: the attribute the first grid's edges are kept in (:meth:`ModelOptGrid._first_grid`); never
-#: copied or pickled
-GRID_CACHES = ("_grid_cache",)
+__all__ = ["ModelOptGrid"]
 
 
 def _float32(value: float) -> float:
@@ -59,9 +56,8 @@ class ModelOptGrid:
 
     _grown_top: torch.Tensor | None = None  # max |x| of the batch that last grew the grid
     _grown_edge: torch.Tensor | None = None  # the grown grid's last edge (_linear_top)
-
-    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the kept first grid
-        return {k: v for k, v in super().__getstate__().items() if k not in GRID_CACHES}
+    #: Observer's uncopied caches and the kept first grid's edges (:meth:`_first_grid`)
+    _uncopied = (*CACHES, "_grid_cache")
 
     @property
     def _calib_hist(self) -> torch.Tensor | None:

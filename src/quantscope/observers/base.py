@@ -100,6 +100,7 @@ class Observer(nn.Module):
     #: ``hi`` (padding is no data: it moves no range, nor average); histograms do it themselves
     unpads: bool = True
     _padded_call: bool = False  # this call's units carry it (no state update fused then)
+    _uncopied: ClassVar[tuple[str, ...]] = CACHES  #: no copy or pickle's: the steps' caches
 
     def __init__(self, spec: QuantSpec | None = None, *, non_finite: str = "error"):
         super().__init__()
@@ -108,8 +109,7 @@ class Observer(nn.Module):
         if non_finite not in NON_FINITE_MODES:
             raise ValueError(f"{type(self).__name__}: non_finite must be one of "
                              f"{NON_FINITE_MODES}, got {non_finite!r}")
-        self.spec = spec
-        self.non_finite = non_finite
+        self.spec, self.non_finite = spec, non_finite
         self.register_buffer("observed_tokens", torch.zeros((), dtype=torch.int64))
         self.register_buffer("observed_shape", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("non_finite_count", torch.zeros((), dtype=torch.int64))
@@ -404,8 +404,8 @@ class Observer(nn.Module):
             self._observe(units, lo, hi)
 
     # ------------------------------------------------------------------ helpers
-    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the CPU steps' caches
-        return {k: v for k, v in super().__getstate__().items() if k not in CACHES}
+    def __getstate__(self):  # (deepcopy, pickle, torch.save) without the caches (_uncopied)
+        return {k: v for k, v in super().__getstate__().items() if k not in self._uncopied}
 
     def _apply(self, fn, recurse=True):
         # a module cast (model.to(torch.bfloat16), .half()) moves the state, keeps its dtypes:
