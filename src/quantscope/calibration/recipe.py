@@ -205,9 +205,7 @@ class Recipe:
         (:func:`taken_roles`) or the KV cache's roles take; raises ``ValueError`` naming the
         targets if the rules take nothing (a KV-cache-only recipe has no rules)."""
         found, dropped = {}, {}
-        for name, module in model.named_modules():
-            rule = self.rule_for(name, module)
-            roles, why = taken_roles(name, module, rule, self.name) if rule else ({}, None)
+        for name, module, _, roles, why in self.rule_matches(model):
             if roles:
                 found[name] = (module, roles)
             elif why:  # one module of each kind and reason, for the error
@@ -239,6 +237,15 @@ class Recipe:
                              f"{f' (ignore {list(self.ignore)})' if self.ignore else ''}; the "
                              f"model's module types are {kinds}")
         return found
+
+    def rule_matches(self, model: nn.Module):
+        """``(name, module, rule index, roles, why)`` for each module of ``model`` a rule
+        matches (:meth:`rule_index`): the roles it takes of that rule and why none
+        (:func:`taken_roles`); :meth:`match` and the idle rules' warning read them."""
+        for name, module in model.named_modules():
+            i = self.rule_index(name, module)
+            if i is not None:
+                yield (name, module, i, *taken_roles(name, module, self.rules[i], self.name))
 
     def rule_for(self, name: str, module: nn.Module) -> Rule | None:
         """The rule that takes the module ``name``: the first whose targets match it, None

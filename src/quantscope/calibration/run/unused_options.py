@@ -14,7 +14,6 @@ import warnings
 from ..._checks import outside_quantscope
 from ..options import MoE, Options, Runtime, Sampling
 from ..recipe_dict import unmatched
-from ..structure.placement import taken_roles
 
 __all__ = ["warn_idle_rules", "warn_unused_activation_options", "warn_unused_moe"]
 
@@ -66,10 +65,7 @@ def warn_idle_rules(model, recipes) -> None:
     named = [(n, m) for n, m in model.named_modules() if n]
     for rec in recipes.values():
         taken, roleless = set(), {}  # rule index -> the first module it matched in vain
-        for n, m in named:
-            if (i := rec.rule_index(n, m)) is None:
-                continue
-            roles, why = taken_roles(n, m, rec.rules[i], rec.name)
+        for n, m, i, roles, why in rec.rule_matches(model):
             if roles:
                 taken.add(i)
             else:
