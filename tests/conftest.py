@@ -88,8 +88,9 @@ def _torch_factories_cached_before_any_test():
     (``torch.tensor``) while that ran left the wrapper in the cache: every later device
     context of that worker left the real function on the CPU (transformers' meta init then
     made ``from_pretrained`` hold uninitialised rotary tables, two files later). Filled here
-    with the real factories before any test runs."""
+    with the real factories before any test runs (a fill, not a check: nothing patches them
+    yet)."""
     from torch.utils import _device
 
-    assert torch.tensor in _device._device_constructors()
+    _device._device_constructors()
     yield
