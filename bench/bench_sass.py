@@ -66,6 +66,10 @@ def sass(fn, signature: dict, constexprs: dict, num_warps: int, div16=()) -> str
     from quantscope.kernels.triton._jit import LAUNCH
 
     names = fn.arg_names
+    missing = [a for a in names if a not in signature and a not in constexprs]
+    if missing:  # (triton's own error names no argument)
+        raise ValueError(f"bench_sass: {fn.__name__} takes {missing}, which its case's sig and "
+                         "const do not give: the kernel's arguments changed")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
              if t.startswith("*") or a in div16}
     options = {"num_warps": num_warps}
@@ -157,7 +161,8 @@ _PRICE = {"x_ptr": "*fp32", "w_ptr": "*fp32", "s_ptr": "*fp32", "z_ptr": "*i32",
           "out_ptr": "*fp64", "U": "i32", "E": "i32", "K": "i32", "stride_u": "i32",
           "stride_w": "i32", "qmin": "fp32", "qmax": "fp32", "min_exp": "i32", "mbits": "i32",
           "BLOCK_U": "constexpr", "BLOCK_E": "constexpr", "ONE_TILE": "constexpr",
-          "FLOAT": "constexpr", "WEIGHTED": "constexpr", "NORM": "constexpr"}
+          "FLOAT": "constexpr", "WEIGHTED": "constexpr", "NORM": "constexpr",
+          "SQ32": "constexpr"}
 _LLMC = {"observed_ptr": "*fp32", "min_base_ptr": "*fp32", "max_base_ptr": "*fp32",
          "zp_base_ptr": "*fp32", "num_observations": "i32", "num_qparams": "i32",
          "group_size": "i32", "q_min": "fp32", "q_max": "fp32", "norm": "fp32",
@@ -305,7 +310,7 @@ def cases() -> list[dict]:
         {"case": "MSE int4 per channel 4096 x 4096", "who": "quantscope mse_search (ops)",
          "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 4096 // 128,
          "sig": _PRICE, "const": {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True,
-                                  "FLOAT": False, "WEIGHTED": False, "NORM": 2.0},
+                                  "FLOAT": False, "WEIGHTED": False, "NORM": 2.0, "SQ32": False},
          "div16": ("U", "E", "stride_u"),
          "candidates": ours_candidates(int4, (64, 4096)), "elements": 4096 * 4096},
         # the compat classes' search: llm-compressor's rules and norm (CUDA's powf a term)
@@ -313,7 +318,7 @@ def cases() -> list[dict]:
          "who": "quantscope, llm-compressor's rules (ops, norm 2.4)",
          "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 4096 // 128,
          "sig": _PRICE, "const": {"BLOCK_U": 1, "BLOCK_E": 4096, "ONE_TILE": True,
-                                  "FLOAT": False, "WEIGHTED": False, "NORM": 2.4},
+                                  "FLOAT": False, "WEIGHTED": False, "NORM": 2.4, "SQ32": False},
          "div16": ("U", "E", "stride_u"),
          "candidates": ours_candidates(int4, (64, 4096), compat="llmcompressor", norm=2.4),
          "elements": 4096 * 4096},
@@ -335,7 +340,7 @@ def cases() -> list[dict]:
          "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 16 * 128 // 128,
          "sig": {**_PRICE, "z_ptr": "*fp32"},
          "const": {"BLOCK_U": 128, "BLOCK_E": 16, "ONE_TILE": True, "FLOAT": True,
-                   "WEIGHTED": True, "NORM": 2.0}, "div16": ("U", "E", "stride_u"),
+                   "WEIGHTED": True, "NORM": 2.0, "SQ32": False}, "div16": ("U", "E", "stride_u"),
          "candidates": len(shrink_factors()) + 1, "elements": 8192 * 4096},
         _fused_nvfp4_case(nvfp4, shrink_factors(), 1.0,
                           "quantscope imatrix_mse (fused nvfp4_search, weighted)",
@@ -346,7 +351,7 @@ def cases() -> list[dict]:
          "kernel": lambda: mse._price_kernel, "warps": 4, "per_pass": 32 * 64 // 128,
          "sig": {**_PRICE, "z_ptr": "*fp32"},
          "const": {"BLOCK_U": 64, "BLOCK_E": 32, "ONE_TILE": True, "FLOAT": True,
-                   "WEIGHTED": False, "NORM": 2.0}, "div16": ("U", "E", "stride_u"), "candidates": 51,
+                   "WEIGHTED": False, "NORM": 2.0, "SQ32": False}, "div16": ("U", "E", "stride_u"), "candidates": 51,
          "elements": 4096 * 4096},
         _block_mse_case(presets.MXFP4, "mx", mx_case,
                         "quantscope mse, MXFP4 (mx_mse's two kernels)", 4096 * 4096),
