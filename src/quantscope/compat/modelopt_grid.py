@@ -12,7 +12,6 @@ batch had cost ~15 tensor ops and 4 host reads more (general path, 1K values, on
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 import warnings
@@ -31,14 +30,6 @@ def _float32(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
-
-
-def _scalar(t: torch.Tensor) -> float | None:
-    """The value of a one-value float32 CPU tensor with memory, read from it (no op); None
-    elsewhere (another device, a fake or traced tensor: the caller reads it with ``float``)."""
-    if t.numel() == 1 and t.dtype == torch.float32 and t.is_cpu and kernels.real_tensor(t):
-        return ctypes.c_float.from_address(t.data_ptr()).value
-    return None
 
 
 def bins_for(top: float, w: float) -> float:
@@ -85,7 +76,7 @@ class ModelOptGrid:
         per (max ``|x|``, bins, dtype): a growing batch reads them (read only: copied where
         returned)."""
         hi = self._buffers["hist_hi"]
-        top = _scalar(hi) if hi.shape == (1,) else None
+        top = kernels.first_value(hi) if hi.shape == (1,) else None
         key = (float(hi[0]) if top is None else top, self.bins, torch.get_default_dtype())
         kept = self.__dict__.get("_grid_cache")
         if kept is None or kept[0] != key:
@@ -127,7 +118,7 @@ class ModelOptGrid:
 
     def _append_bins(self, hi) -> bool:
         # ModelOpt's edges run to this batch's max |x| (hi: per tensor, one value)
-        top = _scalar(hi)
+        top = kernels.first_value(hi) if hi.numel() == 1 else None
         grown = None if top is None else self._grow_to(top)
         if grown is None:  # off the CPU, or a float64 default dtype's linspace: torch's ops
             grown = super()._append_bins(hi)

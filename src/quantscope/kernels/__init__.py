@@ -363,8 +363,8 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     return t if t.is_contiguous() else t.contiguous()
 
 
-#: the C type of each dtype :func:`read` and :func:`write` take
-_CTYPES = {torch.float32: ctypes.c_float, torch.int64: ctypes.c_int64}
+#: the C type of each dtype :func:`read`, :func:`write` and :func:`first_value` take
+_CTYPES = {torch.float32: ctypes.c_float, torch.int64: ctypes.c_int64, torch.bool: ctypes.c_bool}
 
 
 def _values(t: torch.Tensor, count: int, strict: bool = True):
@@ -373,20 +373,30 @@ def _values(t: torch.Tensor, count: int, strict: bool = True):
     if not (t.dtype in _CTYPES and plain(t, t.dtype) and t.numel() >= count):
         if not strict:
             return None
-        raise ValueError(f"kernels.read / write: a contiguous CPU float32 or int64 tensor of at "
-                         f"least {count} values, not tracing (kernels.plain), got {t.dtype} "
+        raise ValueError(f"kernels.read / write: a contiguous CPU float32, int64 or bool tensor "
+                         f"of at least {count} values, not tracing (kernels.plain), got {t.dtype} "
                          f"{type(t).__name__} {tuple(t.shape)} on {t.device}")
     return (_CTYPES[t.dtype] * count).from_address(t.data_ptr())
 
 
 def read(t: torch.Tensor, count: int = 1, strict: bool = True) -> list | None:
-    """The first ``count`` values of a plain float32 / int64 CPU tensor (:func:`plain`) as
+    """The first ``count`` values of a plain float32 / int64 / bool CPU tensor (:func:`plain`) as
     Python numbers, read from its memory: no tensor op (``.item()`` is a dispatch, and right
     after a C pass has streamed a batch through the caches and the TLB one costs ten times
     its few microseconds). Another ``t``: a ``ValueError``, or None when not ``strict`` (one
     check where a caller would test :func:`plain` first)."""
     values = _values(t, count, strict)
     return None if values is None else values[:]
+
+
+def first_value(t: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """:func:`read`'s first value for callers that test the context apart (a hot path):
+    ``t``'s first value (a float32, int64 or bool ``dtype``) where :func:`plain_tensor` and
+    not empty, else None (another device or dtype, a fake or traced tensor: the caller reads
+    it with torch)."""
+    if plain_tensor(t, dtype) and t.numel():
+        return _CTYPES[dtype].from_address(t.data_ptr()).value
+    return None
 
 
 def write(t: torch.Tensor, *values) -> None:

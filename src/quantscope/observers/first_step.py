@@ -20,7 +20,9 @@ arithmetic, bitwise its counts). The same state, bit for bit, the same tensor ve
 and token count: ~23 us a call there. NaN / inf, a first batch, a grid the counts leave (past
 ``GROW_LIMIT``), and anything else it does not take: False, nothing changed, and the general
 path runs, as it does for an observer with ``cached_cpu_step = False`` (the native histogram
-step's switch).
+step's switch). A grid that would grow past float32's range raises ModelOpt's RuntimeError
+from the grid itself (``ModelOptGrid._grow_to``), again with nothing changed, as the general
+path does.
 """
 
 from __future__ import annotations
@@ -50,10 +52,8 @@ _STEPS = frozenset((
     "_state", "_set_state", "_drop_zeros", "_interval_batch", "count_batch", "set_shape",
     "units_in_input_dtype", "unpads", "needs_units"))
 _classes: dict[type, bool] = {}
-_REAL = (torch.Tensor, torch.nn.Parameter)  # kernels.real_tensor's types
 _F32, _I64 = torch.float32, torch.int64
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (bf16 / fp16: a float32 copy)
-_CTYPES = {torch.float32: ctypes.c_float, torch.int64: ctypes.c_int64, torch.bool: ctypes.c_bool}
 
 
 def _takes_class(cls: type, base: type) -> bool:
@@ -112,20 +112,11 @@ def _takes_call(obs, x, base: type) -> bool:
     takes = _classes.get(cls)
     if takes is None:
         takes = _classes[cls] = _takes_class(cls, base)
-    return (takes and type(x) in _REAL and x.is_cpu and x.layout == torch.strided
+    return (takes and kernels.real_tensor(x) and x.is_cpu and x.layout == torch.strided
             and obs.grid == "first" and obs.non_finite == "error" and obs._absolute
             and not obs.sync_every_step and obs.averaging_constant is None
             and not obs.skip_zeros and obs.cached_cpu_step and obs.accumulates
             and _STEPS.isdisjoint(obs.__dict__))
-
-
-def _first(t: torch.Tensor, dtype: torch.dtype):
-    """``t``'s first value, read from its memory where it is a contiguous CPU tensor of
-    ``dtype`` with memory (:func:`~quantscope.kernels.plain_tensor`: the context is tested by
-    the caller), else None."""
-    if kernels.plain_tensor(t, dtype) and t.numel():
-        return _CTYPES[dtype].from_address(t.data_ptr()).value
-    return None
 
 
 def _grid(bufs):
@@ -134,16 +125,16 @@ def _grid(bufs):
     elsewhere."""
     counts = bufs["hist_counts"]
     if not (counts.dim() == 2 and counts.shape[0] == 1 and kernels.plain_tensor(counts, _I64)
-            and not write_refused(counts) and _first(bufs["linear_grid"], torch.bool)):
+            and not write_refused(counts) and kernels.first_value(bufs["linear_grid"], torch.bool)):
         return None
     lo = bufs["hist_lo"]
-    glo = _first(lo, _F32) if lo.shape == (1,) else None
+    glo = kernels.first_value(lo, _F32) if lo.shape == (1,) else None
     return None if glo is None or not math.isfinite(glo) else (counts, glo)
 
 
 def _top(obs) -> float | None:
     """The grid's last edge (``_linear_top``: histc's max) as a float, None where unread."""
-    return _first(obs._linear_top(), _F32)
+    return kernels.first_value(obs._linear_top(), _F32)
 
 
 _QNAN = 0x7FC00000  # the NaN torch.minimum / maximum write (std::numeric_limits quiet_NaN)
@@ -154,7 +145,7 @@ def _running(slo: torch.Tensor, shi: torch.Tensor, lo: torch.Tensor, hi: torch.T
     float32 CPU tensors (``lo`` / ``hi`` finite), through their memory: torch's one-value loop
     is ``NaN if a or b is NaN else std::min(a, b)`` (a tie, -0.0 and 0.0, keeps ``a``, the
     state; its NaN is the quiet one), and the versions bumped as the ops bump them."""
-    if _first(slo, _F32) is None or _first(shi, _F32) is None:
+    if kernels.first_value(slo, _F32) is None or kernels.first_value(shi, _F32) is None:
         torch.minimum(slo, lo, out=slo)
         torch.maximum(shi, hi, out=shi)
         return
@@ -173,7 +164,7 @@ def cpu_step(obs, x, base: type) -> bool:
     one-unit CPU ``x`` on an ``|x|`` first grid (``obs``: an instance of ``base``, the class
     whose steps it stands for); False, nothing changed, elsewhere (NaN / inf included)."""
     lib, mm = kernels.lib("ao_hist"), _stats._kernel()  # None: a trace / compile / fake mode
-    if lib is None or mm is None or not _takes_call(obs, x, base) or not kernels.real_tensor(x):
+    if lib is None or mm is None or not _takes_call(obs, x, base):
         return False
     E = cached_plan(obs, x, "_first_plans", _plan)
     if E is None:
