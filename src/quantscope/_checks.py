@@ -177,16 +177,16 @@ def check_range_args(who: str, spec, lo, hi, global_amax, values: bool) -> None:
 
 
 def check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor, global_amax,
-                 finite: bool = True) -> None:
-    """Raise ``ValueError`` on a NaN / inf range (unless ``finite=False``: known finite), on
-    ``lo > hi``, or on a NaN / inf global amax (one read back each)."""
-    if not (finite and lo.numel() and _spans_ok(lo, hi)):  # (the common case: three ops)
-        ordered = (lo <= hi).all()
-        if finite:  # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
-            isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
-            ordered, isfinite = torch.stack((ordered, isfinite)).tolist()  # one read for both
-            if not isfinite:
-                raise ValueError(f"{who}: lo and hi must be finite (got NaN or inf)")
+                 ranges: bool = True) -> None:
+    """Raise ``ValueError`` on a NaN / inf range, on ``lo > hi``, or on a NaN / inf global
+    amax (one read back each). ``ranges=False``: the ranges are known good (a C kernel
+    refused them itself), only the global amax is checked."""
+    if ranges and not (lo.numel() and _spans_ok(lo, hi)):  # (the common case: three ops)
+        # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
+        isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()
+        ordered, isfinite = torch.stack(((lo <= hi).all(), isfinite)).tolist()  # one read
+        if not isfinite:
+            raise ValueError(f"{who}: lo and hi must be finite (got NaN or inf)")
         if not ordered:
             raise ValueError(f"{who}: lo must be <= hi in every unit")
     if global_amax is not None and not is_amax(global_amax):

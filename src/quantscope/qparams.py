@@ -126,10 +126,18 @@ def _affine_consts(spec: QuantSpec) -> list[float] | None:
     return kernels.qparams_consts(spec)
 
 
-def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> QParams | None:
+def _kernel_took(result: int, ordered: bool) -> bool:
+    """Whether a qparams kernel's ``result`` (``qs_range_flags``, csrc/qs_qparams.h) stands:
+    not for NaN / inf (1), nor for ``lo > hi`` (2) where the caller needs ``ordered``."""
+    return result == 0 or (result == 2 and not ordered)
+
+
+def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
+                        ordered: bool = False) -> QParams | None:
     """The integer branch with fp32 scales in one C pass over float32 CPU ranges; None where
-    it does not apply (no kernel, other formats or devices, a NaN / inf range: the torch
-    branch then raises or computes). Bitwise the torch branch (tests/kernels/test_native.py)."""
+    it does not apply (no kernel, other formats or devices, a NaN / inf range, with
+    ``ordered`` one with ``lo > hi``: the torch branch then raises or computes). Bitwise the
+    torch branch (tests/kernels/test_native.py)."""
     consts = _affine_consts(spec)
     if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
             or not kernels.real(lo, hi) or (lib := kernels.lib("int_qparams")) is None):
@@ -138,8 +146,9 @@ def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> 
     scale = torch.empty(lo.shape, dtype=torch.float32)
     zp = torch.empty(lo.shape, dtype=torch.int32)
     q = torch.tensor(consts, dtype=torch.float64)
-    if lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), q.data_ptr(),
-                          scale.data_ptr(), zp.data_ptr()):
+    if not _kernel_took(lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
+                                           q.data_ptr(), scale.data_ptr(), zp.data_ptr()),
+                        ordered):
         return None
     return QParams(scale, zp)
 
@@ -153,11 +162,11 @@ def _block_kernel_applies(spec: QuantSpec) -> bool:
 
 
 def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
-                          global_amax) -> QParams | None:
+                          global_amax, ordered: bool = False) -> QParams | None:
     """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
-    it does not apply (no kernel, other encodings or devices, a NaN / inf range: the torch
-    branch then raises or computes). Bitwise the torch branch
-    (tests/kernels/test_block_qparams.py)."""
+    it does not apply (no kernel, other encodings or devices, a NaN / inf range, with
+    ``ordered`` one with ``lo > hi``: the torch branch then raises or computes). Bitwise the
+    torch branch (tests/kernels/test_block_qparams.py)."""
     enc, fmt = spec.scale, spec.format
     if (not _block_kernel_applies(spec) or lo.device.type != "cpu" or lo.requires_grad
             or hi.requires_grad or not kernels.real(lo, hi)
@@ -168,8 +177,9 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     zero = torch.zeros(lo.shape, dtype=torch.int32)
     if enc.kind == "e8m0":
         mode = E8M0_MODES.index(enc.mode)
-        if lib.qs_e8m0_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), mode, fmt.emax,
-                               fmt.mbits, fmt.max, scale.data_ptr()):
+        if not _kernel_took(lib.qs_e8m0_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), mode,
+                                                fmt.emax, fmt.mbits, fmt.max, scale.data_ptr()),
+                            ordered):
             return None
         return QParams(scale, zero)
     if global_amax is None:
@@ -180,9 +190,9 @@ def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
     elif not is_amax(global_amax):
         return None  # the torch branch says what is wrong
     gs = nvfp4_global_scale(torch.as_tensor(global_amax, dtype=torch.float32), fmt).reshape(1)
-    if gs.numel() != 1 or lib.qs_nvfp4_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
-                                               fmt.max, float(gs), spec.min_scale,
-                                               scale.data_ptr()):
+    if gs.numel() != 1 or not _kernel_took(lib.qs_nvfp4_qparams(
+            lo.data_ptr(), hi.data_ptr(), lo.numel(), fmt.max, float(gs), spec.min_scale,
+            scale.data_ptr()), ordered):
         return None
     return QParams(scale, zero, gs)
 
@@ -240,11 +250,11 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
     # the integer branch in C for any CPU ranges: one call costs less than the torch
     # branch's dozen small ops at every count (one unit: 12 against 44-55 us)
-    qp = _int_qparams_kernel(lo, hi, spec) if lo.numel() else None
+    qp = _int_qparams_kernel(lo, hi, spec, check_finite) if lo.numel() else None
     if qp is None and (check_finite or lo.numel() >= KERNEL_MIN_UNITS):
-        qp = _block_qparams_kernel(lo, hi, spec, global_amax)
-    if check_finite:  # after the C kernels, which refuse NaN / inf themselves
-        check_ranges("qparams_from_range", lo, hi, global_amax, finite=qp is None)
+        qp = _block_qparams_kernel(lo, hi, spec, global_amax, check_finite)
+    if check_finite:  # after the C kernels, which test NaN / inf and lo > hi in their pass
+        check_ranges("qparams_from_range", lo, hi, global_amax, ranges=qp is None)
     if qp is not None:
         return qp
     if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply

@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
+from quantscope import QuantSpec, presets, qparams_from_range
 from quantscope._checks import check_ranges
+from quantscope.layout import Channel
 
 
-def _check_finite(lo, hi, global_amax, finite=True):
-    check_ranges("qparams_from_range", lo, hi, global_amax, finite)
+def _check_finite(lo, hi, global_amax):
+    check_ranges("qparams_from_range", lo, hi, global_amax)
 
 
 TINY = 1.401298464324817e-45  # float32's smallest subnormal
@@ -43,10 +45,32 @@ def test_range_checks(lo, hi, error):
     else:
         with pytest.raises(ValueError, match=error):
             _check_finite(lo, hi, None)
-    # the C kernels' path (finite known): only the order is checked
-    if error == ORDER:
-        with pytest.raises(ValueError, match=ORDER):
-            _check_finite(lo, hi, None, finite=False)
+    if error is not None:  # the C kernels refuse it themselves (then nothing checks after)
+        for spec in KERNEL_SPECS:
+            with pytest.raises(ValueError, match=error):
+                qparams_from_range(lo, hi, spec)
+
+
+#: one spec per C qparams entry point: the integer branch, E8M0 (MX) and NVFP4's fp8 scales
+KERNEL_SPECS = [QuantSpec("int8", Channel(0)), presets.MXFP4, presets.NVFP4]
+
+
+@pytest.mark.parametrize("spec, global_amax", [
+    (KERNEL_SPECS[0], None), (KERNEL_SPECS[1], None),
+    (KERNEL_SPECS[2], None),  # its global amax first (qs_block_amax_max)
+    (KERNEL_SPECS[2], 1.5),  # given: the scales' own pass refuses it
+], ids=["int", "e8m0", "nvfp4", "nvfp4-global"])
+@pytest.mark.parametrize("at", [0, 7, 8, 15, 18])  # AVX2 lanes of both blocks, the tail
+@pytest.mark.parametrize("bad, error", [((2.0, 1.0), ORDER), ((math.nan, 1.0), FINITE),
+                                        ((0.0, math.inf), FINITE)], ids=["order", "nan", "inf"])
+def test_the_c_kernels_refuse_each_unit_the_checks_refuse(spec, global_amax, at, bad, error):
+    """qparams_from_range checks nothing after a C kernel that computed: the kernel itself
+    refuses a unit out of order or not finite, wherever it lies in its vector loop."""
+    lo, hi = -torch.rand(19) - 0.5, torch.rand(19) + 0.5
+    lo[at], hi[at] = bad
+    ga = None if global_amax is None else torch.tensor(global_amax)
+    with pytest.raises(ValueError, match=error):
+        qparams_from_range(lo, hi, spec, global_amax=ga)
 
 
 def test_no_units_is_a_range():

@@ -5,6 +5,7 @@
    bitwise (tests/kernels/test_block_qparams.py). */
 #include <stdint.h>
 #include <math.h>
+#include "qs_qparams.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -17,10 +18,10 @@ static inline float block_amax(float lo, float hi) {
 }
 
 static int finite_ranges(const float *lo, const float *hi, int64_t n) {
-    int bad = 0;
+    int flags = 0;
     for (int64_t i = 0; i < n; ++i)
-        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);
-    return !bad;
+        flags |= qs_range_flags(lo[i], hi[i]);
+    return !(flags & 1);
 }
 
 static inline int32_t bits_of(float x) { union { float f; int32_t i; } u = {x}; return u.i; }
@@ -54,6 +55,11 @@ static inline __m256 nonfinite8(__m256 l, __m256 h) {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     return _mm256_or_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, l), inf, _CMP_NLT_UQ),
                         _mm256_cmp_ps(_mm256_andnot_ps(sign, h), inf, _CMP_NLT_UQ));
+}
+
+/* the vector loop's qs_range_flags: its two lane masks as the flags */
+static inline int range_flags8(__m256 nonfinite, __m256 disordered) {
+    return (_mm256_movemask_ps(nonfinite) != 0) | ((_mm256_movemask_ps(disordered) != 0) << 1);
 }
 
 /* frexp_pos of 8 lanes: the exponents, the mantissas in *m */
@@ -114,23 +120,24 @@ static inline __m256i e8m0_k8(int mode, __m256 safe, __m256 top, float mf, int e
    fraction bits rounded half away), 3 rceil (ceil log2(amax / fmax), exactly: with amax =
    m * 2**e and fmax = mf * 2**ef, m / mf lies in (0.5, 2), so it is e - ef + (m > mf));
    emax the element format's. Returns 1 when a range holds NaN or inf (checked in the same
-   pass: the scales are then written but meaningless) or the mode is unknown. The AVX2 loop
-   is the scalar one lane for lane. */
+   pass: the scales are then written but meaningless) or the mode is unknown, else 2 when
+   some lo > hi (qs_range_flags), else 0. The AVX2 loop is the scalar one lane for lane. */
 int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mode,
                         int64_t emax, int64_t mbits, double fmax, float *scale) {
     if (mode < 0 || mode > 3) return 1;
     const float top = exp2i((int)mbits + 1);
     float mf;
     const int em = (int)emax, ef = frexp_pos((float)fmax, &mf);
-    int bad = 0;
+    int flags = 0;
     int64_t i = 0;
 #if defined(__AVX2__)
     const __m256 one = _mm256_set1_ps(1.0f), vtop = _mm256_set1_ps(top);
     const __m256i kmin = _mm256_set1_epi32(-127), kmax = _mm256_set1_epi32(127);
-    __m256 nonfinite = _mm256_setzero_ps();
+    __m256 nonfinite = _mm256_setzero_ps(), disordered = nonfinite;
     for (; i + 8 <= n; i += 8) {
         const __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
         nonfinite = _mm256_or_ps(nonfinite, nonfinite8(l, h));
+        disordered = _mm256_or_ps(disordered, _mm256_cmp_ps(l, h, _CMP_GT_OQ));
         const __m256 amax = block_amax8(l, h);
         const __m256 none = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_LE_OQ);
         __m256i k = e8m0_k8((int)mode, _mm256_blendv_ps(amax, one, none), vtop, mf, ef, em);
@@ -138,7 +145,7 @@ int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mod
         k = _mm256_min_epi32(_mm256_max_epi32(k, kmin), kmax);
         _mm256_storeu_ps(scale + i, exp2i8(k));
     }
-    bad = _mm256_movemask_ps(nonfinite) != 0;
+    flags = range_flags8(nonfinite, disordered);
 #endif
 #define E8M0_LOOP(K)                                                          \
     for (; i < n; ++i) {                                                      \
@@ -152,14 +159,14 @@ int64_t qs_e8m0_qparams(const float *lo, const float *hi, int64_t n, int64_t mod
         k = amax <= 0.0f ? -127 : k;                                          \
         k = k < -127 ? -127 : (k > 127 ? 127 : k);                            \
         scale[i] = exp2i(k);                                                  \
-        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);       \
+        flags |= qs_range_flags(lo[i], hi[i]);                               \
     }
     if (mode == 0) { E8M0_LOOP(e - 1 - em) }
     else if (mode == 1) { E8M0_LOOP((m == 0.5f ? e - 1 : e) - em) }
     else if (mode == 2) { E8M0_LOOP(e - 1 + (floorf(m * top + 0.5f) >= top) - em) }
     else { E8M0_LOOP(safe < INFINITY ? e - ef + (m > mf) : 127) }
 #undef E8M0_LOOP
-    return bad;
+    return qs_range_result(flags);
 }
 
 /* The largest block amax of n ranges into *out (NVFP4's global amax by default). Returns 1
@@ -192,14 +199,15 @@ int64_t qs_block_amax_max(const float *lo, const float *hi, int64_t n, float *ou
 /* NVFP4 block scales: amax / fmax * gs rounded to fp8 e4m3 (nearest, ties to even,
    saturating at 448: FloatFormat.round with min_exp -6, 3 mantissa bits), non-positive
    ones replaced by min_scale. Returns 1 when a range holds NaN or inf (checked in the same
-   pass: the scales are then written but meaningless). The AVX2 loop is the scalar one op
-   for op (min / max / blend take their operands in the order that makes their compare the
-   scalar one, NaN included), except that it multiplies by 1 / step where the scalar loop
-   divides by the step: both are exact (powers of two, 2**-125 <= 1 / step <= 2**9, and the quotient is
-   representable), so the bits are the same. */
+   pass: the scales are then written but meaningless), else 2 when some lo > hi
+   (qs_range_flags), else 0. The AVX2 loop is the scalar one op for op (min / max / blend
+   take their operands in the order that makes their compare the scalar one, NaN included),
+   except that it multiplies by 1 / step where the scalar loop divides by the step: both are
+   exact (powers of two, 2**-125 <= 1 / step <= 2**9, and the quotient is representable), so
+   the bits are the same. */
 int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fmax, double gs,
                          double min_scale, float *scale) {
-    int bad = 0;
+    int flags = 0;
     const float fm = (float)fmax, g = (float)gs, ms = (float)min_scale;
     const int32_t min_field = (-6 + 127) << 23, shift = 3 << 23;
     int64_t i = 0;
@@ -209,10 +217,11 @@ int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fma
     const __m256 vfm = _mm256_set1_ps(fm), vg = _mm256_set1_ps(g), vms = _mm256_set1_ps(ms);
     const __m256i exp_mask = _mm256_set1_epi32(0x7F800000), vmin = _mm256_set1_epi32(min_field);
     const __m256i vshift = _mm256_set1_epi32(shift), inv = _mm256_set1_epi32(254 << 23);
-    __m256 nonfinite = z;
+    __m256 nonfinite = z, disordered = z;
     for (; i + 8 <= n; i += 8) {
         const __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
         nonfinite = _mm256_or_ps(nonfinite, nonfinite8(l, h));
+        disordered = _mm256_or_ps(disordered, _mm256_cmp_ps(l, h, _CMP_GT_OQ));
         const __m256 amax = block_amax8(l, h);
         const __m256 v = _mm256_mul_ps(_mm256_div_ps(amax, vfm), vg);
         const __m256i field = _mm256_max_epi32(
@@ -226,7 +235,7 @@ int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fma
         q = _mm256_min_ps(top, _mm256_max_ps(bottom, q));  /* the clamp, NaN kept */
         _mm256_storeu_ps(scale + i, _mm256_blendv_ps(vms, q, _mm256_cmp_ps(q, z, _CMP_GT_OQ)));
     }
-    bad = _mm256_movemask_ps(nonfinite) != 0;
+    flags = range_flags8(nonfinite, disordered);
 #endif
     for (; i < n; ++i) {
         const float v = block_amax(lo[i], hi[i]) / fm * g;
@@ -236,7 +245,7 @@ int64_t qs_nvfp4_qparams(const float *lo, const float *hi, int64_t n, double fma
         float q = rintf(v / st) * st;                /* ties to even (the default mode) */
         q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
         scale[i] = q > 0.0f ? q : ms;
-        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);
+        flags |= qs_range_flags(lo[i], hi[i]);
     }
-    return bad;  /* the scales written are then to be ignored */
+    return qs_range_result(flags);  /* 1: the scales written are to be ignored */
 }

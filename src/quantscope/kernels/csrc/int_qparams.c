@@ -8,18 +8,18 @@
 
 /* scale / zero point of the n ranges [lo[i], hi[i]] (q: qs_qparams' constants). Returns 1
    when a range holds NaN or inf (nothing written: the caller raises, or runs the torch
-   branch), else 0. */
+   branch), else 2 when some lo > hi (qs_range_flags), else 0. */
 int64_t qs_int_qparams(const float *lo, const float *hi, int64_t n, const double *q,
                        float *scale, int32_t *zp) {
-    int bad = 0;
+    int flags = 0;
     for (int64_t i = 0; i < n; ++i)  /* its own pass: vectorized, read from cache after */
-        bad |= !(fabsf(lo[i]) < INFINITY) | !(fabsf(hi[i]) < INFINITY);
-    if (bad) return 1;
+        flags |= qs_range_flags(lo[i], hi[i]);
+    if (flags & 1) return 1;
     for (int64_t i = 0; i < n; ++i) {
         float s, z;
         qs_qparams(lo[i], hi[i], q, &s, &z);
         scale[i] = s;
         zp[i] = (int32_t)z;
     }
-    return 0;
+    return flags;
 }

@@ -8,6 +8,17 @@
 #include <math.h>
 #include <float.h>
 
+/* what the qparams kernels return of their ranges, as flags a pass ORs: 1 where an end is
+   NaN or inf (nothing usable: the caller raises, or runs the torch branch), 2 where lo > hi
+   (computed as the torch branch does, from the clamped ends; qparams_from_range's checked
+   calls refuse it, so they need no pass of their own over the ranges) */
+static inline int qs_range_flags(float lo, float hi) {
+    return (!(fabsf(lo) < INFINITY) | !(fabsf(hi) < INFINITY)) | ((lo > hi) << 1);
+}
+
+/* a pass's OR of qs_range_flags as its return value: 1 (not finite) outranks 2 */
+static inline int64_t qs_range_result(int flags) { return flags & 1 ? 1 : flags; }
+
 /* q: qmin, qmax, min_scale, symmetric (0 / 1), the symmetric zero point */
 static inline void qs_qparams(float lo, float hi, const double *q, float *s, float *z) {
     const float qmin = (float)q[0], qmax = (float)q[1];
