@@ -35,6 +35,7 @@ import torch
 
 from quantscope import calibrate, export
 from quantscope.calibration.recipe import preset
+from quantscope.calibration.results.result import Calibration
 from quantscope.demo import data, models
 from quantscope.exporters import onnx as qonnx
 
@@ -178,7 +179,9 @@ def main(reps: int = 10) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         paths = {"ONNX fp32": tmp / "fp32.onnx", QS: tmp / "q.onnx", U8: tmp / "q_u8.onnx"}
-        export.export({}, model, paths["ONNX fp32"], format="onnx", example_inputs=example)
+        # the float model through the same exporter: a calibration of no tensors
+        export.export(Calibration(None, {}), model, paths["ONNX fp32"], format="onnx",
+                      example_inputs=example)
         export.export(calib, model, paths[QS], format="onnx", example_inputs=example)
         export.export(calib, model, paths[U8], format="onnx", example_inputs=example,
                       uint8=True)
