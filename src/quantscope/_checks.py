@@ -180,7 +180,7 @@ def check_ranges(who: str, lo: torch.Tensor, hi: torch.Tensor, global_amax,
                  ranges: bool = True) -> None:
     """Raise ``ValueError`` on a NaN / inf range, on ``lo > hi``, or on a NaN / inf global
     amax (one read back each). ``ranges=False``: the ranges are known good (a C kernel
-    refused them itself), only the global amax is checked."""
+    tested them in its own pass), only the global amax is checked."""
     if ranges and not (lo.numel() and _spans_ok(lo, hi)):  # (the common case: three ops)
         # |x| < inf is isfinite in two ops (torch.isfinite takes four); NaN fails
         isfinite = (torch.stack((lo, hi)).abs() < math.inf).all()

@@ -13,8 +13,8 @@ only tests what can change between calls (the context, the state's tensors, the 
 then makes the fused kernel call the general path makes, into fresh state tensors that the
 buffers take as the general path's ``_store`` gives them: the same state, bit for bit, the
 same tensor versions, flags and counts. The tests are the general path's own (the observer's
-``leave_inference_mode``, where :func:`.step_cache.leave_inference_mode` finds it has work, and
-``_check_size``, ``hist_kernel.state_ok``, ``kernels.add``,
+``leave_inference_mode``, where :func:`.step_cache.leave_inference_mode` finds it has work,
+and ``_check_size``, ``hist_kernel.state_ok``, ``kernels.add``,
 ``stats.histogram.STATE_BUFFERS``), called with the context tested once. A miss of the fused
 pass (a value outside its window, NaN / inf, an empty state) changes nothing but
 ``obs._pass[0]`` (:data:`MISSED`), and the general path runs with its two-pass update: its

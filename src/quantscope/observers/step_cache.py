@@ -1,9 +1,9 @@
 """What the cached CPU steps share (:mod:`.minmax_step`, the accumulating min-max observers';
 :mod:`.hist_step`, the per-tensor histogram observers'; :mod:`.first_step`, a first-grid
-histogram's, ModelOpt's): their one plan cache and the names
-of the observer attributes they keep caches in, which no copy or pickle carries
-(``Observer.__getstate__`` leaves them out: a scratch's address is its own object's memory,
-which a copy would write into), and two tests the one-unit steps share.
+histogram's, ModelOpt's): one plan cache, the names of the observer attributes they keep
+caches in, which no copy or pickle carries (``Observer.__getstate__`` leaves them out: a
+scratch's address is its own object's memory, which a copy would write into), and two tests
+(:func:`new_shape`, :func:`leave_inference_mode`).
 """
 
 from __future__ import annotations
