@@ -39,7 +39,7 @@ from .._checks import write_refused
 from ..stats import histogram as H
 from ..stats import minmax as _stats
 from .base import tokens_of
-from .step_cache import cached_plan, leave_inference_mode, new_shape
+from .step_cache import begin
 
 __all__ = ["calls_forward", "cpu_step"]
 
@@ -166,13 +166,10 @@ def cpu_step(obs, x, base: type) -> bool:
     lib, mm = kernels.lib("ao_hist"), _stats._kernel()  # None: a trace / compile / fake mode
     if lib is None or mm is None or not _takes_call(obs, x, base):
         return False
-    E = cached_plan(obs, x, "_first_plans", _plan)
-    if E is None:
+    started = begin(obs, x, "_first_plans", _plan)
+    if started is None:
         return False
-    shape_is_new = new_shape(obs, x)
-    if shape_is_new is None:
-        return False  # the general path says what is wrong
-    leave_inference_mode(obs)  # (first: it may replace buffers)
+    E, shape_is_new = started
     bufs = obs._buffers
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     grid = _grid(bufs)

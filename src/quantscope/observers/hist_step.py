@@ -32,7 +32,7 @@ from .. import kernels
 from ..stats import hist_kernel
 from ..stats.histogram import STATE_BUFFERS
 from .base import tokens_of
-from .step_cache import cached_plan, leave_inference_mode, new_shape
+from .step_cache import begin
 
 __all__ = ["MISSED", "cpu_step"]
 
@@ -112,13 +112,10 @@ def cpu_step(obs, x, base: type) -> bool:
     lib = hist_kernel._kernel()
     if lib is None or not _takes_call(obs, x, base):
         return False
-    plan = cached_plan(obs, x, "_hist_plans", _plan)
-    if plan is None:
+    started = begin(obs, x, "_hist_plans", _plan)
+    if started is None:
         return False
-    shape_is_new = new_shape(obs, x)
-    if shape_is_new is None:
-        return False  # the general path says what is wrong
-    leave_inference_mode(obs)  # (first: it may replace buffers)
+    plan, shape_is_new = started
     bufs = obs._buffers
     slo, shi = bufs["min_vals"], bufs["max_vals"]
     B = bufs["hist_counts"].shape[-1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 
 import torch
 from torch.autograd.graph import increment_version
@@ -27,9 +28,11 @@ from ..layout import Tensor as TensorLayout
 from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
 from .base import tokens_of
-from .step_cache import cached_plan, leave_inference_mode, new_shape
+from .step_cache import begin
 
 __all__ = ["cpu_step"]
+
+_UNITS = operator.itemgetter(0)  #: a plan's unit count (its U)
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run).
@@ -112,14 +115,10 @@ def cpu_step(obs, x, base: type) -> bool:
     lib = _stats._kernel()  # None: no kernel, or a trace / compile / fake mode (kernels.real)
     if lib is None or not kernels.real_tensor(x):  # (after the context: Dynamo folds it)
         return False
-    plan = cached_plan(obs, x, "_cpu_plans", _plan)
-    if plan is None:
+    started = begin(obs, x, "_cpu_plans", _plan, units=_UNITS)
+    if started is None:
         return False
-    U, E, code = plan
-    shape_is_new = new_shape(obs, x, U)
-    if shape_is_new is None:
-        return False  # the general path says what is wrong
-    leave_inference_mode(obs)
+    (U, E, code), shape_is_new = started
     bufs = obs._buffers
     slo, shi, tokens = bufs["min_vals"], bufs["max_vals"], bufs["observed_tokens"]
     if not (_float32_state(slo, U) and _float32_state(shi, U)):

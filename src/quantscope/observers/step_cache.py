@@ -2,15 +2,15 @@
 :mod:`.hist_step`, the per-tensor histogram observers'; :mod:`.first_step`, a first-grid
 histogram's, ModelOpt's): one plan cache, the names of the observer attributes they keep
 caches in, which no copy or pickle carries (``Observer.__getstate__`` leaves them out: a
-scratch's address is its own object's memory, which a copy would write into), and two tests
-(:func:`new_shape`, :func:`leave_inference_mode`).
+scratch's address is its own object's memory, which a copy would write into), and the start
+every step makes (:func:`begin`: the plan, the last shape, leaving inference mode).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["CACHES", "MAX_PLANS", "cached_plan", "leave_inference_mode", "new_shape"]
+__all__ = ["CACHES", "MAX_PLANS", "begin", "cached_plan", "leave_inference_mode", "new_shape"]
 
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
@@ -61,3 +61,19 @@ def leave_inference_mode(obs) -> None:
             if buf is not None and buf.is_inference():
                 obs.leave_inference_mode()
                 return
+
+
+def begin(obs, x, attr: str, make, units=None):
+    """A cached step's start: the plan for ``x`` (:func:`cached_plan` of ``make`` in
+    ``attr``) and whether ``x``'s shape is new (:func:`new_shape` with ``units(plan)`` units,
+    one where ``units`` is None), inference mode left (:func:`leave_inference_mode`: before
+    the step reads a buffer); None, nothing changed, where there is no plan or the general
+    path must say what is wrong with the shape."""
+    plan = cached_plan(obs, x, attr, make)
+    if plan is None:
+        return None
+    shape_is_new = new_shape(obs, x, 1 if units is None else units(plan))
+    if shape_is_new is None:
+        return None
+    leave_inference_mode(obs)
+    return plan, shape_is_new
