@@ -152,6 +152,27 @@ def test_non_finite_batches_as_documented():
         cal.compute_amax("percentile")
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("first", [[1.0, 2.0], [1e37, -2e36]])
+def test_forward_records_a_later_non_finite_batch(bad, first):
+    """forward of a later batch holding NaN / inf, on the cached step and the general path:
+    recorded, and qparams() / compute_amax() refuse it with a ValueError (the module doc, and
+    the code before the end-past-float32 check, which had raised its RuntimeError for inf)."""
+    cal, twin = pair(num_bins=16)
+    feed(cal, twin, torch.tensor(first), "collect")
+    x = torch.tensor([bad, 1.0])
+    for o in (cal, twin):
+        assert o(x) is x  # recorded, not raised
+    same(cal, twin)
+    for o in (cal, twin):
+        assert bool(o.seen_non_finite)
+        for method in ("percentile", "mse", "entropy"):
+            with pytest.raises(ValueError, match="observed NaN or inf"):
+                o.compute_amax(method, start_bin=1)
+        with pytest.raises(ValueError, match="observed NaN or inf"):
+            o.qparams()
+
+
 def test_a_grid_grown_past_float32_is_modelopts_error_with_nothing_changed():
     """A batch whose grown grid ends past float32's range (ModelOpt's ``arange(0, max |x| +
     width, width)``, data near its max): ModelOpt's RuntimeError, raised before anything

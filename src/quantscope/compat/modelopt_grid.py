@@ -135,13 +135,18 @@ class ModelOptGrid:
         float32 first grid, in Python floats where it can (:func:`bins_for`; the last edge
         ``arange(0, top + w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum
         does), the top and that edge kept at once; None where it does not apply (the grid is
-        not float32). The end and the edges come first: an end past float32's range (data
-        near its max) is ModelOpt's ``RuntimeError`` of that ``arange``, raised with nothing
-        changed (ModelOpt's histogram stays as it was; the caller's state too: the cached
-        step and ``_observe`` grow the grid before they update the min / max)."""
+        not float32); False, nothing done, where the grid cannot hold it (a ``top`` of inf:
+        ``forward``'s non-finite batch, recorded by the caller and refused by ``qparams()`` /
+        ``compute_amax()``; past the bound: :meth:`_fits`). The end and the edges come first:
+        a finite ``top`` whose end is past float32's range (data near its max) is ModelOpt's
+        ``RuntimeError`` of that ``arange``, raised with nothing changed (ModelOpt's histogram
+        stays as it was; the caller's state too: the cached step and ``_observe`` grow the
+        grid before they update the min / max)."""
         _, w, width = self._first_grid()  # (float32: the default dtype, as its key says)
         if w.dtype != torch.float32:
             return None
+        if not math.isfinite(top):  # non-finite data, not data near float32's max
+            return False
         end, need = _float32(top + width), bins_for(top, width)
         if not math.isfinite(end):
             raise RuntimeError(f"unsupported range: 0 -> inf (modelopt {type(self).__name__}: "
