@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from quantscope import kernels
 from quantscope.compat.modelopt import HistogramCalibrator
 from quantscope.compat.modelopt_grid import _float32, bins_for
 
@@ -100,3 +101,50 @@ def test_first_grid_follows_the_first_batch_and_the_default_dtype():
         assert torch.equal(cal._grown_edge, torch.arange(0, cal._grown_top + w, w)[-1:])
     finally:
         torch.set_default_dtype(before)
+
+
+def _state(cal) -> dict:
+    """Every buffer (bits, shape, version), the grown top and edge, ModelOpt's attributes and
+    amaxes, read on the CPU."""
+    out = {k: (b.dtype, tuple(b.shape), b._version, b.cpu().tolist())
+           for k, b in cal._buffers.items()}
+    for name in ("_grown_top", "_grown_edge", "_calib_hist", "_calib_bin_edges"):
+        v = getattr(cal, name)
+        out[name] = None if v is None else (v.dtype, v.cpu().tolist())
+    out["amax"] = [float(cal.compute_amax(m, start_bin=1)) for m in ("percentile", "mse")]
+    return out
+
+
+def _off_the_cpu_sequence(device: str) -> None:
+    """A batch whose grown grid ends past float32 (first max 1e37, 16 bins: 544 bins to
+    3.4e38, whose end overflows), then batches inside and past the grid: ModelOpt's
+    RuntimeError with nothing changed (the counts had been padded to 544 bins and the top
+    kept before arange failed, every later call failing too), collect and forward alike; the
+    grown states as a CPU calibrator's that never saw it."""
+    for how in ("collect", "forward"):
+        cal, never = HistogramCalibrator(num_bins=16), HistogramCalibrator(num_bins=16)
+        first = torch.tensor([1e37, 5e36])
+        cal.collect(first.to(device))
+        never.collect(first)
+        before = _state(cal)
+        huge = torch.tensor([3.4e38, 2.0], device=device)
+        with pytest.raises(RuntimeError, match="^unsupported range: 0 -> inf"):
+            cal.collect(huge) if how == "collect" else cal(huge)
+        assert _state(cal) == before
+        for x in ([2e37, 1.0], [5e36, 2.0], [9e37, 3.0]):  # grows to 32 bins, then 144
+            cal.collect(torch.tensor(x, device=device))
+            never.collect(torch.tensor(x))
+            assert _state(cal) == _state(never)
+        assert cal.hist_counts.shape == (1, 144) and cal.hist_counts.device.type == device
+
+
+def test_off_the_cpu_growth_refuses_with_nothing_changed(monkeypatch):
+    """The off-CPU branch of _append_bins, simulated on the CPU: kernels.first_value reads
+    None, as for a CUDA tensor (the general path then; the max |x| read with float)."""
+    monkeypatch.setattr(kernels, "first_value", lambda t, dtype=torch.float32: None)
+    _off_the_cpu_sequence("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_growth_refuses_with_nothing_changed():
+    _off_the_cpu_sequence("cuda")

@@ -25,8 +25,9 @@ it as ModelOpt's (float32 counts, edges). A batch with NaN / inf is refused at `
 first one with ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``; so is a
 batch whose grown grid would end past float32's range (``max |x| + width`` overflows: data
 near its max), with ModelOpt's ``RuntimeError`` (``unsupported range``), ``collect`` and
-``forward`` alike, nothing changed (ModelOpt keeps its histogram too, but not its bin count:
-its next batch inside the grid is binned into the failed batch's count, against the old edges).
+``forward`` alike, on any device, nothing changed (ModelOpt keeps its histogram too, but not
+its bin count: its next batch inside the grid is binned into the failed batch's count, against
+the old edges).
 ``compute_amax(method, *, stride=1, start_bin=128, percentile=99.99)`` runs quantscope's
 estimators on it: ``"entropy"`` (:func:`~quantscope.estimators.entropy.entropy_amax`),
 ``"percentile"`` (``0 <= percentile <= 100``; the left edge of the bin reaching it, ModelOpt's

@@ -4,11 +4,13 @@ of that width, its ``_calib_hist`` / ``_calib_bin_edges``, the amaxes read as it
 (an edge, or a bin centre ``(edges[i] + edges[i + 1]) / 2``, in its float32 bits), and the
 methods' candidates on it (:meth:`ModelOptGrid._check_start_bin`).
 
-A batch that grows a CPU float32 grid is counted in Python floats (:func:`bins_for`, the last
-edge from a float end: :meth:`ModelOptGrid._grow_to`), bitwise the tensor formulas ModelOpt
-uses, and the first grid's edges are kept per (max ``|x|``, bins, default dtype): each grown
-batch had cost ~15 tensor ops and 4 host reads more (general path, 1K values, one thread:
-325 -> 268 us a growing call)."""
+A batch that grows a float32 grid is counted in Python floats (:func:`bins_for`, the last edge
+from a float end: :meth:`ModelOptGrid._grow_to`), bitwise the tensor formulas ModelOpt uses, on
+every device (off the CPU its max ``|x|`` is the one host read, as the bin count was; its
+checks come before the counts grow there too, so a refused batch changes nothing), and the
+first grid's edges are kept per (max ``|x|``, bins, default dtype): each grown batch had cost
+~15 tensor ops and 4 host reads more (general path, 1K values, one thread: 325 -> 268 us a
+growing call)."""
 
 from __future__ import annotations
 
@@ -117,10 +119,12 @@ class ModelOptGrid:
         return edge
 
     def _append_bins(self, hi) -> bool:
-        # ModelOpt's edges run to this batch's max |x| (hi: per tensor, one value)
-        top = kernels.first_value(hi) if hi.numel() == 1 else None
-        grown = None if top is None else self._grow_to(top)
-        if grown is None:  # off the CPU, or a float64 default dtype's linspace: torch's ops
+        # ModelOpt's edges run to this batch's max |x| (hi: per tensor, one value), grown by
+        # _grow_to on every device: off the CPU its float is the one host read (the bin
+        # count's before), and its checks come before the pad there too
+        top = kernels.first_value(hi)
+        grown = self._grow_to(float(hi.reshape(())) if top is None else top)
+        if grown is None:  # a float64 default dtype's linspace: torch's ops
             grown = super()._append_bins(hi)
             if grown:  # (plain attributes: no nn.Module.__setattr__, every growing batch)
                 self.__dict__.update(_grown_top=hi.reshape(()).float().cpu(), _grown_edge=None)
@@ -132,10 +136,11 @@ class ModelOptGrid:
 
     def _grow_to(self, top: float) -> bool | None:
         """:meth:`_append_bins` of a batch whose max ``|x|`` is the float32 ``top`` on a
-        float32 first grid, in Python floats where it can (:func:`bins_for`; the last edge
-        ``arange(0, top + w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum
-        does), the top and that edge kept at once; None where it does not apply (the grid is
-        not float32); False, nothing done, where the grid cannot hold it (a ``top`` of inf:
+        float32 first grid, in Python floats (:func:`bins_for`; the last edge ``arange(0, top +
+        w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum does), the top and
+        that edge kept at once, on the CPU whatever the device (``_calib_bin_edges`` is read
+        there; :meth:`_linear_top` moves the edge once); None where it does not apply (the
+        grid is not float32); False, nothing done, where the grid cannot hold it (a ``top`` of inf:
         ``forward``'s non-finite batch, recorded by the caller and refused by ``qparams()`` /
         ``compute_amax()``; past the bound: :meth:`_fits`). The end and the edges come first:
         a finite ``top`` whose end is past float32's range (data near its max) is ModelOpt's
