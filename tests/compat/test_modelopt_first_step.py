@@ -211,6 +211,38 @@ def test_a_grid_grown_past_float32_is_modelopts_error_with_nothing_changed():
     assert tiny._linear  # not moved to the native grid
 
 
+@pytest.mark.parametrize(("first", "huge"), [
+    ([1.0, 0.5], torch.finfo(torch.float32).max),  # 5.4e39 bins of 1/16; the end is finite
+    ([1e-3, 2e-4], 1e38),
+    ([1e-40, 3e-41], 0.5)])  # a subnormal first grid, then normal data
+def test_a_bin_count_past_float32_is_modelopts_overflow_error_with_nothing_changed(first, huge):
+    """A finite batch whose bin count ceil(max |x| / width) is past float32's range on a first
+    grid of a positive width: ModelOpt's OverflowError (its int(inf)), raised before
+    anything changes, by the cached step and the general path, collect and forward (the grid
+    had moved to the power-of-two one, whose last edge read inf: amax 3.19e38); later
+    batches bin as if it never came."""
+    cal, twin = pair(num_bins=16)
+    never = HistogramCalibrator(num_bins=16)
+    for o in (cal, twin, never):
+        o.collect(torch.tensor(first))
+    before = {k: (bits(b).clone(), b._version) for k, b in cal._buffers.items()}
+    x = torch.tensor([huge, first[1]])
+    for how in ("collect", "forward"):
+        for o in (cal, twin):
+            with pytest.raises(OverflowError, match="^cannot convert float infinity to integer"):
+                o.collect(x) if how == "collect" else o(x)
+        same(cal, twin)
+        for k, b in cal._buffers.items():
+            assert torch.equal(bits(b), before[k][0]) and b._version == before[k][1], k
+        assert cal._linear and cal._grown_top is None
+    for y in (torch.tensor(first) * 0.5, torch.tensor(first) * 2):  # inside, then grown
+        feed(cal, twin, y, "collect")
+        never.collect(y)
+    for name in ("_calib_hist", "_calib_bin_edges", "min_vals", "max_vals"):
+        assert torch.equal(getattr(cal, name), getattr(never, name)), name
+    assert amaxes(cal) == amaxes(never)
+
+
 def count_general(monkeypatch) -> list:
     calls = []
     general = observer_base.Observer.forward

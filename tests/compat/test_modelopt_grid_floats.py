@@ -148,3 +148,29 @@ def test_off_the_cpu_growth_refuses_with_nothing_changed(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_growth_refuses_with_nothing_changed():
     _off_the_cpu_sequence("cuda")
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize(("first", "huge"), [
+    ([1.0, 0.5], torch.finfo(torch.float32).max), ([1e-3, 2e-4], 1e38),
+    ([1e-40, 3e-41], 0.5)])
+def test_bin_count_past_float32_fails_as_modelopts(first, huge):
+    """A bin count past float32's range: ModelOpt's OverflowError, then the same histogram,
+    edges and percentile amax as ModelOpt 0.47's after later batches, inside the grid and
+    growing it (its mse amax is its first candidate: a documented difference)."""
+    calib = pytest.importorskip("modelopt.torch.quantization.calib")
+    ours, theirs = HistogramCalibrator(num_bins=16), calib.HistogramCalibrator(num_bins=16)
+    errors = []
+    for c in (ours, theirs):
+        c.collect(torch.tensor(first))
+        with pytest.raises(OverflowError) as e:
+            c.collect(torch.tensor([huge, first[1]]))
+        errors.append((e.type, str(e.value).split(" (")[0]))
+        for y in (torch.tensor(first) * 0.5, torch.tensor(first) * 2):
+            c.collect(y)
+    assert errors[0] == errors[1]
+    assert torch.equal(ours._calib_hist, theirs._calib_hist)
+    assert torch.equal(ours._calib_bin_edges, theirs._calib_bin_edges)
+    for p in (60.0, 90.0, 99.0):  # (no whole count: the documented cdf difference)
+        assert torch.equal(ours.compute_amax("percentile", percentile=p),
+                           theirs.compute_amax("percentile", percentile=p)), p

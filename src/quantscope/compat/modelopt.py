@@ -22,11 +22,14 @@ their float32 values, fp8 upcast as ``MaxCalibrator`` upcasts it) over the first
 ``ceil(max |x| / w)`` in all as ModelOpt counts them in float32 (the native ``grid="first"``
 histogram, grown as Horizon's KL histogram grows); ``_calib_hist`` / ``_calib_bin_edges`` read
 it as ModelOpt's (float32 counts, edges). A batch with NaN / inf is refused at ``collect``: a
-first one with ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``; so is a
-batch whose grown grid would end past float32's range (``max |x| + width`` overflows: data
-near its max), with ModelOpt's ``RuntimeError`` (``unsupported range``), ``collect`` and
-``forward`` alike, on any device, nothing changed (ModelOpt keeps its histogram too, but not
-its bin count: its next batch inside the grid is binned into the failed batch's count, against
+first one with ModelOpt's ``RuntimeError``, a later inf with its ``OverflowError``. So is a
+finite batch whose grown grid ModelOpt cannot make, ``collect`` and ``forward`` alike, on any
+device, nothing changed: a bin count ``ceil(max |x| / w)`` past float32's range (a first grid
+of a positive width far below the data: data near float32's max, or a subnormal first batch
+then normal data) with ModelOpt's ``OverflowError`` (its ``int(inf)``; ModelOpt's histogram
+stays as it was), and an end past it (``max |x| + width`` overflows: data near its max) with
+its ``RuntimeError`` (``unsupported range``; ModelOpt keeps its histogram too, but not its
+bin count: its next batch inside the grid is binned into the failed batch's count, against
 the old edges).
 ``compute_amax(method, *, stride=1, start_bin=128, percentile=99.99)`` runs quantscope's
 estimators on it: ``"entropy"`` (:func:`~quantscope.estimators.entropy.entropy_amax`),
@@ -103,11 +106,12 @@ float32 arrays (numpy has no bf16: ModelOpt fails). An axis out of range is a
 ``MaxCalibrator.collect`` (ModelOpt's torch ``RuntimeError`` / ``IndexError``; it keeps an
 empty amax for a ``(0, n)`` batch with ``axis=0``). ``reset()`` restores ``num_bins`` (ModelOpt
 keeps the grown count for the next first batch). A first histogram of only zeros, later
-grown, and one growing past ``GROW_LIMIT x num_bins``, move once to quantscope's
-power-of-two grid of ``num_bins`` bins, approximately (ModelOpt: ``OverflowError``; appends
-on); ``_calib_hist`` / ``_calib_bin_edges`` then read that grid, and the mse method's
-candidates stop at its top occupied bin, as ModelOpt's grid ends at the data's max.
-``num_bins`` is at least 2 (ModelOpt: any; that grid needs two bins).
+grown, and one growing past ``GROW_LIMIT x num_bins`` (a count within float32's range),
+move once to quantscope's power-of-two grid of ``num_bins`` bins, approximately (ModelOpt:
+``OverflowError``; appends on, or fails to allocate them); ``_calib_hist`` /
+``_calib_bin_edges`` then read that grid, and the mse method's candidates stop at its top
+occupied bin, as ModelOpt's grid ends at the data's max. ``num_bins`` is at least 2
+(ModelOpt: any; that grid needs two bins).
 ``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
 supported. fp8 histogram batches are taken (ModelOpt's ``histc`` fails on them: torch's
 ``"min_all" not implemented``). ``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that

@@ -140,19 +140,27 @@ class ModelOptGrid:
         w, w)[-1]``, whose end ``top + w`` rounds to float32 as torch's sum does), the top and
         that edge kept at once, on the CPU whatever the device (``_calib_bin_edges`` is read
         there; :meth:`_linear_top` moves the edge once); None where it does not apply (the
-        grid is not float32); False, nothing done, where the grid cannot hold it (a ``top`` of inf:
-        ``forward``'s non-finite batch, recorded by the caller and refused by ``qparams()`` /
-        ``compute_amax()``; past the bound: :meth:`_fits`). The end and the edges come first:
-        a finite ``top`` whose end is past float32's range (data near its max) is ModelOpt's
-        ``RuntimeError`` of that ``arange``, raised with nothing changed (ModelOpt's histogram
-        stays as it was; the caller's state too: the cached step and ``_observe`` grow the
-        grid before they update the min / max)."""
+        grid is not float32); False, nothing done, where the grid cannot hold it (a ``top`` of
+        inf: ``forward``'s non-finite batch, recorded by the caller and refused by
+        ``qparams()`` / ``compute_amax()``; a first grid of width 0, or past the bound:
+        :meth:`_fits`, the caller's move to the native grid). The count, the end and the
+        edges come first, in ModelOpt's order, for a finite ``top``: a bin count past
+        float32's range (a first grid of a positive width far below the data) is ModelOpt's
+        ``OverflowError`` of ``int(inf)``, then an end past it (data near its max) ModelOpt's
+        ``RuntimeError`` of that ``arange``, each raised with nothing changed (ModelOpt's
+        histogram stays as it was; the caller's state too: the cached step and ``_observe``
+        grow the grid before they update the min / max)."""
         _, w, width = self._first_grid()  # (float32: the default dtype, as its key says)
         if w.dtype != torch.float32:
             return None
         if not math.isfinite(top):  # non-finite data, not data near float32's max
             return False
         end, need = _float32(top + width), bins_for(top, width)
+        if width and math.isinf(need):  # ModelOpt's int(ceil(top / w)) first: int(inf)
+            raise OverflowError(f"cannot convert float infinity to integer (modelopt "
+                                f"{type(self).__name__}: ModelOpt's bin count ceil(max |x| / "
+                                f"width) for max |x| {top:.6g}, width {width:.6g} is past "
+                                f"float32's range; the batch is refused, nothing changed)")
         if not math.isfinite(end):
             raise RuntimeError(f"unsupported range: 0 -> inf (modelopt {type(self).__name__}: "
                                f"ModelOpt's edges arange(0, max |x| + width, width) for max "

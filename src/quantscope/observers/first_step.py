@@ -20,9 +20,9 @@ arithmetic, bitwise its counts). The same state, bit for bit, the same tensor ve
 and token count: ~23 us a call there. NaN / inf, a first batch, a grid the counts leave (past
 ``GROW_LIMIT``), and anything else it does not take: False, nothing changed, and the general
 path runs, as it does for an observer with ``cached_cpu_step = False`` (the native histogram
-step's switch). A grid that would grow past float32's range raises ModelOpt's RuntimeError
-from the grid itself (``ModelOptGrid._grow_to``), again with nothing changed, as the general
-path does.
+step's switch). A grid that would grow past float32's range (its bin count or its end)
+raises ModelOpt's OverflowError or RuntimeError from the grid itself
+(``ModelOptGrid._grow_to``), again with nothing changed, as the general path does.
 """
 
 from __future__ import annotations
