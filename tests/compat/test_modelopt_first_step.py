@@ -346,3 +346,39 @@ def test_inference_mode_batches(first_inside):
             assert buf.is_inference() == other.is_inference(), name
             if not buf.is_inference():
                 assert buf._version == other._version, name
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("shape", [(256,), (4, 16)])  # the same shape, a new one
+def test_a_refused_collect_after_inference_mode_changes_nothing(bad, shape):
+    """collect of a NaN / inf batch outside inference mode, after batches inside it: refused
+    (ValueError / OverflowError) with the buffers the same tensors, still inference tensors,
+    as the general path (whose check runs before forward; the cached step had left inference
+    mode, cloning every buffer, before it found the NaN). forward of it then leaves inference
+    mode and records it on both."""
+    cal, twin = pair()
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for scale in (1.0, 2.0):
+            x = torch.randn(256, generator=g) * scale
+            cal.collect(x)
+            twin.collect(x)
+    y = torch.randn(shape, generator=g)
+    y.view(-1)[3] = float(bad)
+    for o in (cal, twin):
+        before = dict(o._buffers)
+        with pytest.raises(ValueError if bad == "nan" else OverflowError):
+            o.collect(y)
+        assert all(o._buffers[k] is b for k, b in before.items())
+        assert o.hist_counts.is_inference() and o.min_vals.is_inference()
+        assert o._last_shape == (256,)
+    for name, buf in cal._buffers.items():
+        other = twin._buffers[name]
+        assert torch.equal(bits(buf), bits(other)), name
+        assert buf.is_inference() == other.is_inference(), name
+    for o in (cal, twin):
+        o(y)
+    for o in (cal, twin):
+        assert not any(b.is_inference() for b in o._buffers.values())
+    same(cal, twin)
+    assert bool(cal.seen_non_finite)

@@ -75,7 +75,8 @@ cached step in ``collect`` and ``forward`` (:mod:`quantscope.observers.first_ste
 ``self(x)`` is ``forward``: no hooks): the C min / max pass, the grid grown from floats
 (:mod:`.modelopt_grid`) and one C pass of ``torch.histc`` of ``|x|`` into the int64 counts,
 the state bit for bit the general path's (``cached_cpu_step = False`` keeps that path). A NaN
-/ inf batch changes nothing there and is refused (``collect``) or recorded (``forward``) as
+/ inf batch changes nothing there (its buffers stay the tensors they were, made under
+``torch.inference_mode`` or not) and is refused (``collect``) or recorded (``forward``) as
 above. One thread, 256-1K values: 23-25 us a call (ModelOpt's ``collect``: 31-37 us), 48-51
 us where each batch grows the grid (ModelOpt's: 49.5-56 us); docs/benchmarks.md, histogram.
 

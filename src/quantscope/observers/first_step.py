@@ -20,9 +20,11 @@ arithmetic, bitwise its counts). The same state, bit for bit, the same tensor ve
 and token count: ~23 us a call there. NaN / inf, a first batch, a grid the counts leave (past
 ``GROW_LIMIT``), and anything else it does not take: False, nothing changed, and the general
 path runs, as it does for an observer with ``cached_cpu_step = False`` (the native histogram
-step's switch). A grid that would grow past float32's range (its bin count or its end)
-raises ModelOpt's OverflowError or RuntimeError from the grid itself
-(``ModelOptGrid._grow_to``), again with nothing changed, as the general path does.
+step's switch); NaN / inf is found before the step leaves inference mode (``collect`` refuses
+that batch before its general path would: its buffers stay the tensors they were). A grid that
+would grow past float32's range (its bin count or its end) raises ModelOpt's OverflowError or
+RuntimeError from the grid itself (``ModelOptGrid._grow_to``), again with nothing changed, as
+the general path does.
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ from torch.autograd.graph import increment_version
 from torch.nn.modules import module as _nn
 
 from .. import kernels
-from .._checks import write_refused
 from ..stats import histogram as H
 from ..stats import minmax as _stats
 from .base import tokens_of
-from .step_cache import begin
+from .step_cache import begin, leave_inference_mode
 
 __all__ = ["calls_forward", "cpu_step"]
 
@@ -119,17 +120,18 @@ def _takes_call(obs, x, base: type) -> bool:
             and _STEPS.isdisjoint(obs.__dict__))
 
 
-def _grid(bufs):
-    """``(counts, lo)`` of a first grid the C pass takes (one unit, int64 counts it may write,
-    ``lo`` read as a float), else None: no data yet, moved to the native grid, or a state
-    elsewhere."""
+def _grid(bufs) -> float | None:
+    """The ``lo`` of a first grid the C pass takes (one unit, plain int64 counts), read as a
+    float, else None: no data yet, moved to the native grid, or a state elsewhere. (Read
+    before the step leaves inference mode: the clones it may make hold the same values, and
+    are writable.)"""
     counts = bufs["hist_counts"]
     if not (counts.dim() == 2 and counts.shape[0] == 1 and kernels.plain_tensor(counts, _I64)
-            and not write_refused(counts) and kernels.first_value(bufs["linear_grid"], torch.bool)):
+            and kernels.first_value(bufs["linear_grid"], torch.bool)):
         return None
     lo = bufs["hist_lo"]
     glo = kernels.first_value(lo, _F32) if lo.shape == (1,) else None
-    return None if glo is None or not math.isfinite(glo) else (counts, glo)
+    return None if glo is None or not math.isfinite(glo) else glo
 
 
 def _top(obs) -> float | None:
@@ -166,14 +168,14 @@ def cpu_step(obs, x, base: type) -> bool:
     lib, mm = kernels.lib("ao_hist"), _stats._kernel()  # None: a trace / compile / fake mode
     if lib is None or mm is None or not _takes_call(obs, x, base):
         return False
-    started = begin(obs, x, "_first_plans", _plan)
+    started = begin(obs, x, "_first_plans", _plan, leave=False)
     if started is None:
         return False
     E, shape_is_new = started
     bufs = obs._buffers
     slo, shi = bufs["min_vals"], bufs["max_vals"]
-    grid = _grid(bufs)
-    if (grid is None or slo.shape != (1,) or shi.shape != (1,) or not slo.is_cpu
+    glo = _grid(bufs)
+    if (glo is None or slo.shape != (1,) or shi.shape != (1,) or not slo.is_cpu
             or not shi.is_cpu or not bufs["seen_non_finite"].is_cpu
             or (top := _top(obs)) is None):
         return False  # a first call sizes the state; the general path checks the rest
@@ -181,13 +183,15 @@ def cpu_step(obs, x, base: type) -> bool:
         obs._check_size(1)
     except ValueError:
         return False  # the general path raises it
-    counts, glo = grid
     lo, hi, addr, ends = _scratch(obs)
     src = x if x.dtype == _F32 else x.detach().float()  # forward's float32 copy
     _stats.kernel_pass(mm, src.data_ptr(), 1, E, lo.data_ptr(), hi.data_ptr(), addr, 0, 0.0,
                        None, None, 0)  # unit_minmax's call (lo / hi: the general path's)
     if not (math.isfinite(ends[0]) and math.isfinite(ends[1])):
-        return False  # recorded (forward) or refused (collect) by the general path
+        return False  # recorded (forward) or refused (collect, before its general path
+        # leaves inference mode: the buffers kept, the same tensors) by the general path
+    leave_inference_mode(obs)  # (it may replace the buffers: the step writes them after)
+    slo, shi, counts = bufs["min_vals"], bufs["max_vals"], bufs["hist_counts"]
     amax = max(-ends[0], ends[1])  # max |x| (the grid's lo: 0)
     if glo > 0.0 or amax > top:  # past the grid: grow it (the general path's call; hi as
         # _observe_linear's, a fresh tensor a grid may keep; or the float, to the method the

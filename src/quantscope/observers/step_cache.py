@@ -3,7 +3,8 @@
 histogram's, ModelOpt's): one plan cache, the names of the observer attributes they keep
 caches in, which no copy or pickle carries (``Observer.__getstate__`` leaves them out: a
 scratch's address is its own object's memory, which a copy would write into), and the start
-every step makes (:func:`begin`: the plan, the last shape, leaving inference mode).
+every step makes (:func:`begin`: the plan, the last shape, leaving inference mode; first_step
+leaves it after its NaN / inf test).
 """
 
 from __future__ import annotations
@@ -63,17 +64,20 @@ def leave_inference_mode(obs) -> None:
                 return
 
 
-def begin(obs, x, attr: str, make, units=None):
+def begin(obs, x, attr: str, make, units=None, leave: bool = True):
     """A cached step's start: the plan for ``x`` (:func:`cached_plan` of ``make`` in
     ``attr``) and whether ``x``'s shape is new (:func:`new_shape` with ``units(plan)`` units,
     one where ``units`` is None), inference mode left (:func:`leave_inference_mode`: before
-    the step reads a buffer); None, nothing changed, where there is no plan or the general
-    path must say what is wrong with the shape."""
+    the step reads a buffer; ``leave=False``: the step leaves it itself, after a test that
+    may hand the call to a general path refusing it before it leaves, :mod:`.first_step`'s
+    NaN / inf); None, nothing changed, where there is no plan or the general path must say
+    what is wrong with the shape."""
     plan = cached_plan(obs, x, attr, make)
     if plan is None:
         return None
     shape_is_new = new_shape(obs, x, 1 if units is None else units(plan))
     if shape_is_new is None:
         return None
-    leave_inference_mode(obs)
+    if leave:
+        leave_inference_mode(obs)
     return plan, shape_is_new
