@@ -36,3 +36,19 @@ def test_unmasked_qparams_equal_masked_ones_where_every_candidate_is_finite():
     assert torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
     past = candidate_qparams(lo * 1e9, hi * 1e9, INT8, None)
     assert torch.isnan(past.scale[0, 1]) and not torch.isnan(past.scale[0, 0])
+
+
+def test_an_end_given_twice_is_read_once(monkeypatch):
+    """The kernel search passes ``(lo, hi, *incumbent)``, the incumbent mostly ``(lo, hi)``
+    itself: each tensor's ``|end|`` max is taken once (two passes, not four)."""
+    lo, hi, f = torch.tensor([-1.0, -2.0]), torch.tensor([3.0, BIG]), torch.tensor([1.0, 1.5])
+    read = []
+    abs_ = torch.Tensor.abs
+    monkeypatch.setattr(torch.Tensor, "abs", lambda t: read.append(t) or abs_(t))
+    assert not finite_candidates((lo, hi, lo, hi), (f,))
+    assert [id(t) for t in read if t is not f] == [id(lo), id(hi)]
+    read.clear()
+    other = hi.clone()  # an incumbent of its own: read too
+    assert finite_candidates((lo, hi.clamp(max=1.0), lo, other.clamp(max=1.0)), (f,))
+    assert len([t for t in read if t is not f]) == 3
+

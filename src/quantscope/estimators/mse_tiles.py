@@ -49,11 +49,15 @@ def finite_candidates(ends, factors) -> bool:
     """Whether every candidate ``end * factor`` (each of ``ends`` times each of ``factors``,
     in their dtypes) is finite, in one host read: ``|end| * |factor|`` is at most ``max|end|
     * max|factor|``, and rounding is monotone. For the CPU engines, which then price without
-    :func:`candidate_qparams`' mask; a NaN end reads as not finite."""
-    ends = [e for e in ends if e.numel()]
-    if not ends:
+    :func:`candidate_qparams`' mask; a NaN end reads as not finite. A tensor given twice
+    (the kernel search's incumbent, where it is the min / max itself) is read once."""
+    kept = []
+    for e in ends:
+        if e.numel() and all(e is not k for k in kept):
+            kept.append(e)
+    if not kept:
         return True
-    top = torch.stack([e.abs().amax() for e in ends]).amax()
+    top = torch.stack([e.abs().amax() for e in kept]).amax()
     return bool(torch.isfinite(top * torch.stack([f.abs().amax() for f in factors]).amax()))
 
 
