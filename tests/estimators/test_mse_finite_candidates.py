@@ -1,14 +1,19 @@
 """mse_tiles.finite_candidates: the one host read that lets the C kernel's search skip the
-per-block mask of candidates past float32 (candidate_qparams' NaN scale)."""
+per-block mask of candidates past float32 (candidate_qparams' NaN scale); that read, one per
+search, is the kernel search's only one."""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantscope import kernels
+from quantscope.estimators.mse import mse_search
 from quantscope.estimators.mse_tiles import candidate_qparams, finite_candidates
 from quantscope.presets import INT8_PER_TENSOR as INT8
+from quantscope.spec import QuantSpec
 
 BIG = torch.finfo(torch.float32).max
 ends = st.lists(st.one_of(st.floats(-4.0, 4.0, width=32),
@@ -52,3 +57,28 @@ def test_an_end_given_twice_is_read_once(monkeypatch):
     assert finite_candidates((lo, hi.clamp(max=1.0), lo, other.clamp(max=1.0)), (f,))
     assert len([t for t in read if t is not f]) == 3
 
+
+_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize(("spec", "grid", "reads"), [
+    (QuantSpec("int4", "group:16"), None, 1), (QuantSpec("int8", "channel"), None, 1),
+    (QuantSpec("fp4_e2m1", "block:16", scale="fp8_e4m3"), 1, 1),
+    (QuantSpec("fp4_e2m1", "block:16", scale="fp8_e4m3"), None, 4)],  # one per global amax
+    ids=["int4-g16", "int8-channel", "nvfp4-one-global", "nvfp4"])
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_kernel_search_reads_the_host_once(monkeypatch, spec, grid, reads, early_stop):
+    """The C kernel search (CPU only) reads back one value per search: finite_candidates'
+    bool (tests/observers/test_mse.py's no-read-back check runs the torch path, which runs
+    off the CPU); early stopping's flags are the kernel's, not a tensor read."""
+    if not kernels.available("mse_search"):
+        pytest.skip("no compiled kernel")
+    units = spec.layout.to_units(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))
+    lo, hi = units.amin(1), units.amax(1)
+    seen = []
+    for name in _READS:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda *a, _n=name, _f=real, **k: seen.append(_n) or _f(*a, **k))
+    mse_search(units, lo, hi, spec, early_stop=early_stop, backend="kernel", global_grid=grid)
+    assert seen == ["__bool__"] * reads
