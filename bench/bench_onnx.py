@@ -152,6 +152,12 @@ def _latency(sessions, reps):
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def export_float(model, path: Path, example) -> None:
+    """The float model through quantscope's exporter: a calibration of no tensors (export
+    refuses a plain dict; tests/bench/test_bench_onnx_float.py)."""
+    export.export(Calibration(None, {}), model, path, format="onnx", example_inputs=example)
+
+
 def main(reps: int = 10) -> None:
     import onnxruntime as ort
     torch.set_num_threads(1)
@@ -179,9 +185,7 @@ def main(reps: int = 10) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         paths = {"ONNX fp32": tmp / "fp32.onnx", QS: tmp / "q.onnx", U8: tmp / "q_u8.onnx"}
-        # the float model through the same exporter: a calibration of no tensors
-        export.export(Calibration(None, {}), model, paths["ONNX fp32"], format="onnx",
-                      example_inputs=example)
+        export_float(model, paths["ONNX fp32"], example)
         export.export(calib, model, paths[QS], format="onnx", example_inputs=example)
         export.export(calib, model, paths[U8], format="onnx", example_inputs=example,
                       uint8=True)
