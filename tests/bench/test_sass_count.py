@@ -62,8 +62,6 @@ def test_without_a_loop_the_kernel_body_up_to_exit():
     assert sum(sass.hot_region(body).values()) == 1 + 7 + 1  # MOV, the body, EXIT
 
 
-
-
 _CHECK = """
 import bench_sass
 bench_sass._peer_site = lambda: None  # our kernels only
