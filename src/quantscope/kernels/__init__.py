@@ -400,7 +400,7 @@ def first_value(t: torch.Tensor, dtype: torch.dtype = torch.float32):
 
 
 def write(t: torch.Tensor, *values) -> None:
-    """Write ``values`` into the first elements of a plain float32 / int64 CPU tensor, in
+    """Write ``values`` into the first elements of a plain float32 / int64 / bool CPU tensor, in
     place and without a tensor op (see :func:`read`); its version counter is bumped, as an
     in-place torch op would (``torch.autograd.graph.increment_version``)."""
     _values(t, len(values))[:] = values
