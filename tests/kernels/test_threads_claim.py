@@ -1,0 +1,37 @@
+"""csrc/qs_threads.h's ``qs_run_jobs``: the caller and the threads it starts claim the jobs,
+so each job runs exactly once whoever takes it, a job's error reaches the caller, and the
+caller returns only after every job has finished (its writes seen). Built as a program here,
+under ThreadSanitizer where the compiler has it (a data race or a use of the freed shared
+block fails the run)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from march_builds import CC
+
+from quantscope import kernels
+
+pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler")
+
+PROGRAM = Path(__file__).with_name("csrc") / "threads_claim_test.c"
+
+
+def _build(tmp_path, flags):
+    exe = tmp_path / "claim"
+    done = subprocess.run([CC, "-O1", "-g", "-pthread", *flags, f"-I{kernels.CSRC}",
+                           str(PROGRAM), "-o", str(exe)], check=False, capture_output=True,
+                          text=True)
+    return exe if done.returncode == 0 else None
+
+
+@pytest.mark.parametrize("flags", [[], ["-fsanitize=thread"]], ids=["plain", "tsan"])
+def test_every_job_runs_once_and_its_error_reaches_the_caller(tmp_path, flags):
+    exe = _build(tmp_path, flags)
+    if exe is None:
+        pytest.skip(f"the compiler cannot build with {flags}")
+    run = subprocess.run([str(exe)], check=False, capture_output=True, text=True,
+                         timeout=120)
+    if flags and run.returncode != 0 and "FATAL: ThreadSanitizer" in run.stderr:
+        pytest.skip("ThreadSanitizer cannot run here (memory layout)")
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-2000:]
