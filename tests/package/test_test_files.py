@@ -22,7 +22,7 @@ def test_every_file_with_peers_tests_runs_in_the_peers_venv():
     that list is a test that never runs."""
     text = (TESTS.parent / "Makefile").read_text()
     listed = text.split("PEER_TESTS :=", 1)[1].split("\n\n", 1)[0]
-    mark = re.compile(r"^\s*@pytest\.mark\.peers\b|^pytestmark\s*=.*\bpeers\b", re.M)
+    mark = re.compile(r"^\s*@pytest\.mark\.peers\b|^pytestmark\s*=.*\bpeers\b", re.MULTILINE)
     marked = sorted(str(p.relative_to(TESTS.parent)) for p in TESTS.rglob("test_*.py")
                     if mark.search(p.read_text()))
     assert marked and [m for m in marked if m not in listed] == []
