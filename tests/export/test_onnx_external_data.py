@@ -428,3 +428,42 @@ def test_the_graphs_size_is_bounded_without_serializing_its_tensors(tmp_path, pr
     proto = onnx.load(str(path))
     exact = len(proto.SerializeToString())  # value_info, metadata, opsets included
     assert exact <= graph_bytes(proto) <= exact * 1.1
+
+
+def _branching(external):
+    """A model whose If branches (one graph, held twice) hold a SIZE_THRESHOLD-byte
+    initializer, ``external``: its data already named elsewhere."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from quantscope.exporters.onnx_external import SIZE_THRESHOLD
+
+    big = numpy_helper.from_array(np.arange(SIZE_THRESHOLD, dtype=np.uint8), "branch_w")
+    if external:
+        big.ClearField("raw_data")
+        big.data_location = TensorProto.EXTERNAL
+        big.external_data.add(key="location", value="old.bin")
+    out = [helper.make_tensor_value_info("o", TensorProto.UINT8, None)]
+    branch = helper.make_graph([helper.make_node("Identity", ["branch_w"], ["o"])], "then",
+                               [], out, [big])
+    node = helper.make_node("If", ["c"], ["o"], then_branch=branch, else_branch=branch)
+    return helper.make_model(helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])], out))
+
+
+def test_the_data_file_takes_the_initializers_of_subgraphs(tmp_path):
+    """The data file holds every initializer of SIZE_THRESHOLD bytes or more of the graph
+    "and of its subgraphs (an If's, a Loop's branches)" (onnx_locations._initializers), and
+    one already external there is refused (pins L06: _node_graphs yielding no graph)."""
+    from quantscope.exporters.onnx_external import SIZE_THRESHOLD, _write_data
+
+    proto = _branching(external=False)
+    with open(tmp_path / "d", "wb") as f:
+        _, written = _write_data(proto, f)
+    assert [(t.name, offset, length) for t, offset, length in written] == [
+        ("branch_w", 0, SIZE_THRESHOLD), ("branch_w", SIZE_THRESHOLD, SIZE_THRESHOLD)]
+    for attribute in proto.graph.node[0].attribute:
+        (w,) = attribute.g.initializer
+        assert w.data_location == onnx.TensorProto.EXTERNAL and not w.HasField("raw_data")
+    with open(tmp_path / "e", "wb") as f, pytest.raises(
+            ValueError, match="initializer 'branch_w' is already external data"):
+        _write_data(_branching(external=True), f)

@@ -304,3 +304,39 @@ def test_an_earlier_optimized_model_naming_another_file_too_keeps_its_data(tmp_p
                                              r"optimized model"):
             qonnx.session(path, optimized_model_path=opt)
         assert opened == []
+
+
+@pytest.mark.parametrize("container", [
+    "sparse_initializer", "attribute_sparse_tensor", "attribute_sparse_tensors"])
+def test_a_sparse_tensors_external_indices_are_checked_too(tmp_path, container):
+    """A sparse tensor is two tensors (onnx's SparseTensorProto: values and indices), and
+    either may be external data: indices at ``../secret.bin`` beside inline values are
+    refused in every sparse container (pins L04: the attribute walk yielding the values
+    alone)."""
+    from onnx import TensorProto, helper
+
+    from quantscope.exporters.onnx_locations import read_graph
+
+    (tmp_path / "secret.bin").write_bytes(bytes(32))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    indices = _external_tensor([("location", "../secret.bin"), ("offset", "0"),
+                                ("length", "32")])
+    indices.name, indices.data_type, indices.dims[:] = "i", TensorProto.INT64, [4]
+    sparse = helper.make_sparse_tensor(
+        helper.make_tensor("v", TensorProto.FLOAT, [4], [1.0, 2.0, 3.0, 4.0]), indices, [8])
+    node = helper.make_node("Identity", ["x"], ["y"])
+    if container != "sparse_initializer":
+        value = sparse if container == "attribute_sparse_tensor" else [sparse]
+        node.attribute.append(helper.make_attribute("held", value))
+    graph = helper.make_graph([node], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    if container == "sparse_initializer":
+        graph.sparse_initializer.append(sparse)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(ValueError, match=r"tensor 'i' has its data in '\.\./secret\.bin', "
+                                         r"which leads out of the model's folder \(\.\.\)"):
+        read_graph(path)
