@@ -52,3 +52,32 @@ def test_torch_ao_histogram_of_conj_imag_matches_torch_ao():
     assert torch.equal(ours.histogram, theirs.histogram)
     for a, b in zip(ours.calculate_qparams(), theirs.calculate_qparams(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["minmax", "minmax_channel", "percentile", "modelopt_collect",
+                                  "modelopt_forward"])
+def test_a_negative_view_on_a_cached_step_gives_its_plain_copys_state(case):
+    """The cached CPU steps (minmax_step, hist_step, first_step: ModelOpt's calibrator) read
+    memory in C, so each leaves a negative view to the general path: after a plain first
+    batch (the state sized), one-signed batches past the first top, as neg views, give the
+    state of their plain copies bit for bit (pins F01: first_step testing the type alone,
+    ModelOpt's min_vals / max_vals then read from -x's memory)."""
+    from quantscope.compat.modelopt import HistogramCalibrator
+
+    def make():
+        if case.startswith("modelopt"):
+            return HistogramCalibrator(num_bins=64)
+        layout = "channel" if case == "minmax_channel" else "tensor"
+        return get_observer(case.split("_")[0], QuantSpec("int8", layout))
+
+    gen = torch.Generator().manual_seed(0)
+    first = torch.rand(8, 32, generator=gen) * 2 - 1  # in [-1, 1]
+    later = [torch.rand(8, 32, generator=gen) * (1.3 + i) + 0.2 for i in range(3)]  # > 0
+    viewed, plain_fed = make(), make()
+    for obs, views in ((viewed, True), (plain_fed, False)):
+        step = obs.collect if case == "modelopt_collect" else obs
+        step(first)
+        for x in later:
+            step(_neg_view(x) if views else x.clone())
+    for name, buf in plain_fed._buffers.items():
+        assert torch.equal(viewed._buffers[name], buf), name
