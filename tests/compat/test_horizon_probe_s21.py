@@ -5,6 +5,7 @@ Horizon keywords that ``**kwargs`` repeated (``ch_axis``, ``spec``) are clear er
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,40 @@ def test_kl_growth_past_the_bound_falls_back_to_the_rebin(limit):
     assert not o._linear and o.hist_counts.shape == (1, 512)
     amax = o.calculate_range()[1]  # the unfinished interval's estimate
     assert torch.isfinite(amax).all() and 0 < amax <= top * 2.5
+
+
+@pytest.mark.parametrize("case", ["modelopt_collect", "modelopt_forward", "GROW_LIMIT",
+                                  "max_hist_bytes"])
+def test_a_first_grid_grows_to_its_bound_inclusive(case):
+    """The growth bound is inclusive ("at most ``GROW_LIMIT x bins``", and
+    ``max_hist_bytes``: AppendingFirstGrid._fits): a batch needing exactly that many bins
+    appends them (the exact first grid kept), one bin more moves to the native grid (pins
+    G01: ``<`` for ``<=``, a whole bin width of batches moved approximately)."""
+    from quantscope.compat.modelopt import HistogramCalibrator
+
+    def make():
+        if case.startswith("modelopt"):
+            return HistogramCalibrator(num_bins=16)
+        o = hz.KLObserver(update_interval=4)
+        if case == "max_hist_bytes":
+            o.max_hist_bytes = 8 * 600
+        return o
+
+    first, (at, past), bins = [[1.0, -0.5, 0.25]], (16.0, 16.0 + 1 / 512), 512  # w = 1 / 512
+    if case.startswith("modelopt"):  # 16 bins of 1/16: 64 x 16 = 1024 bins reach 64.0
+        (at, past), bins = (64.0, 64.0625), 16
+    elif case == "max_hist_bytes":  # width 1: 600 int64 bins of 4800 bytes reach 600.0
+        first, (at, past) = [[512.0, 1.0]], (600.0, 601.0)
+    for top, grows in ((at, True), (past, False)):
+        o = make()
+        step = o.collect if case == "modelopt_collect" else o
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the move to the native grid is said)
+            step(torch.tensor(first))
+            step(torch.tensor([[top, 3.0, -2.0]]))
+        assert o._linear == grows, top
+        limit = 600 if case == "max_hist_bytes" else o.GROW_LIMIT * bins
+        assert o.hist_counts.shape[-1] == (limit if grows else bins), top
 
 
 def test_kl_far_batch_falls_back_finite_within_data():
