@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from quantscope import QuantSpec, presets, qparams_from_range
+from quantscope import QuantSpec, presets, qparams, qparams_from_range
 from quantscope._checks import check_ranges
 from quantscope.layout import Channel
 
@@ -101,3 +101,78 @@ def test_ends_a_subnormal_apart_are_refused_where_denormals_flush():
             _check_finite(lo, hi, None)
     finally:
         torch.set_flush_denormal(False)
+
+
+def _torch_branch(monkeypatch, fn):
+    """``fn()`` with no C kernel (qparams_from_range's torch branch)."""
+    from quantscope import kernels
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "lib", lambda *a, **k: None)
+        return fn()
+
+
+def _spied(monkeypatch):
+    """Records check_ranges' read of the ranges and the torch branches' calls."""
+    from quantscope import _checks, qparams
+
+    seen = []
+    for owner, name in ((_checks, "_spans_ok"), (qparams, "_scale_qparams"),
+                        (qparams, "_block_qparams")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, _f=real, **k: seen.append(_n)
+                            or _f(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("spec", KERNEL_SPECS, ids=["int", "e8m0", "nvfp4"])
+def test_a_checked_kernel_call_reads_nothing_after_the_kernel(spec, monkeypatch):
+    """The performance contract of the C kernels' own range test ("after the C kernels, which
+    test NaN / inf and lo > hi in their pass", qparams.py): a checked call over ordered
+    ranges, some with lo == hi (an all-zero channel or block: in order), in both AVX2 blocks
+    and the tail, runs no check_ranges read and no torch branch after the kernel; an
+    unchecked call of KERNEL_MIN_UNITS units or more with reversed units takes the kernel's
+    values (the torch branch's, bitwise). Pins C02 (lo >= hi flagged), C07 (the integer
+    kernel returning 1 for a reversed unit), C08 / C09 (the AVX2 compare's operands swapped)
+    and P08 (check_ranges reading the ranges after a kernel that took them)."""
+    seen = _spied(monkeypatch)
+    lo, hi = -torch.rand(19) - 0.5, torch.rand(19) + 0.5
+    for at, v in ((3, 0.0), (9, -0.25), (17, 0.25)):  # a lane of each AVX2 block, the tail
+        lo[at] = hi[at] = v
+    qp = qparams_from_range(lo, hi, spec)
+    assert seen == []
+    assert torch.equal(qp.scale, _torch_branch(monkeypatch, lambda: qparams_from_range(
+        lo, hi, spec)).scale)
+    del seen[:]  # (the torch branch's own calls)
+    n = qparams.KERNEL_MIN_UNITS + 3
+    lo, hi = -torch.rand(n) - 0.5, torch.rand(n) + 0.5
+    (lo[2], hi[2]), (lo[n - 1], hi[n - 1]) = (1.0, 0.5), (0.75, -0.25)  # a lane, the tail
+    qp = qparams_from_range(lo, hi, spec, check_finite=False)
+    assert seen == []
+    want = _torch_branch(monkeypatch, lambda: qparams_from_range(lo, hi, spec,
+                                                                 check_finite=False))
+    assert torch.equal(qp.scale, want.scale) and torch.equal(qp.zero_point, want.zero_point)
+
+
+@pytest.mark.parametrize("spec", KERNEL_SPECS[1:], ids=["e8m0", "nvfp4"])
+@pytest.mark.parametrize("bad", [(math.nan, 1.0), (-math.inf, 1.0)], ids=["nan", "inf"])
+def test_an_unchecked_call_with_a_bad_unit_and_a_reversed_one_is_the_torch_branch(
+        spec, bad, monkeypatch):
+    """A block kernel's pass over a NaN / inf unit and a reversed one reports the non-finite
+    unit (qs_range_result: "1 (not finite) outranks 2"), whose scales it wrote "but
+    meaningless": an unchecked call (check_finite=False: forward, run-time quantization)
+    of KERNEL_MIN_UNITS units or more then runs the torch branch, NaN and all (pins C04: 2
+    outranking 1, MXFP4's NaN unit then given a scale of 5e30)."""
+    n = qparams.KERNEL_MIN_UNITS + 3
+    for at in (9, n - 1):  # the bad unit in a vector lane, in the tail
+        lo, hi = -torch.rand(n) - 0.5, torch.rand(n) + 0.5
+        lo[5], hi[5] = 1.0, 0.5
+        lo[at], hi[at] = bad
+        got = qparams_from_range(lo, hi, spec, check_finite=False)
+        want = _torch_branch(monkeypatch, lambda: qparams_from_range(lo, hi, spec,  # noqa: B023
+                                                                     check_finite=False))
+        assert torch.equal(got.scale.nan_to_num(-1.0), want.scale.nan_to_num(-1.0)), at
+        assert (got.global_scale is None) == (want.global_scale is None)
+        if want.global_scale is not None:
+            assert torch.equal(got.global_scale.nan_to_num(-1.0),
+                               want.global_scale.nan_to_num(-1.0))
