@@ -43,6 +43,27 @@ def test_unmasked_qparams_equal_masked_ones_where_every_candidate_is_finite():
     assert torch.isnan(past.scale[0, 1]) and not torch.isnan(past.scale[0, 0])
 
 
+def test_finite_candidates_skip_the_mask():
+    """``finite=True`` (the caller has shown every candidate finite) skips the mask, "five
+    passes over the candidates" (abs, abs, maximum, eq, masked_fill), which the C kernel's
+    search would pay per candidate block; it trusts the caller (pins M04: the mask run
+    whatever ``finite`` says)."""
+    from op_names import OpNames
+
+    lo = torch.tensor([[-3.0, -1.0, 0.0]]).repeat(4, 1)
+    hi = torch.tensor([[2.0, 1.0, 1e-3]]).repeat(4, 1)
+    mask = {"aten.maximum", "aten.eq", "aten.masked_fill"}
+    with OpNames() as masked:
+        candidate_qparams(lo, hi, INT8, None)
+    with OpNames() as unmasked:
+        candidate_qparams(lo, hi, INT8, None, finite=True)
+    assert mask <= masked.names and not mask & unmasked.names, unmasked.calls
+    # a range past float32 given as finite keeps qparams_from_range's saturated scale
+    past = candidate_qparams(torch.tensor([[-BIG]]) * 2, torch.tensor([[1.0]]), INT8, None,
+                             finite=True)
+    assert not torch.isnan(past.scale).any()
+
+
 def test_an_end_given_twice_is_read_once(monkeypatch):
     """The kernel search passes ``(lo, hi, *incumbent)``, the incumbent mostly ``(lo, hi)``
     itself: each tensor's ``|end|`` max is taken once (two passes, not four)."""
