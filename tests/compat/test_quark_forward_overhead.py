@@ -1,6 +1,7 @@
 """compat.quark's forward adds no tensor op to the native observer's on a small CPU batch (the
-token count is read by numpy, Quark's ``(x != 0).any(-1)`` row for row) and takes no state key
-on a repeated shape. No Quark needed (dict qspecs)."""
+token count is read by numpy, Quark's ``(x != 0).any(-1)`` row for row; the min / max by the
+native's cached C call, no op either) and takes no state key on a repeated shape. No Quark
+needed (dict qspecs)."""
 
 from __future__ import annotations
 
@@ -86,23 +87,19 @@ CASES = [("PerTensorMinMaxObserver", {"dtype": "int8"}),
                                  "group_size": 32, "scale_format": "e8m0", "is_dynamic": True})]
 
 
-class _GeneralStatic(StaticMinMaxObserver):
-    """The native's general forward, which compat.quark's observers (counting Quark's tokens)
-    run: the native's own common CPU call takes its cached step (observers/minmax_step.py),
-    so Quark's accumulating observers are compared with the path they share, not with it."""
-
-    cached_cpu_step = False
-
-
 @pytest.mark.parametrize(("name", "qspec"), CASES)
 def test_forward_adds_no_op_to_the_natives(name, qspec):
+    """Quark's accumulating and dynamic / per-group / MX observers take the native's cached
+    CPU call (observers/minmax_step.py): one C pass, no tensor op, as the native class of the
+    same spec; the token count is numpy's."""
     obs = getattr(quark, name)(qspec)
-    native = (_GeneralStatic if obs.accumulates else MemorylessMinMaxObserver)(obs.spec)
+    native = (StaticMinMaxObserver if obs.accumulates else MemorylessMinMaxObserver)(obs.spec)
     x = _rows((8, 64), torch.float32).nan_to_num()
     for o in (obs, native):
-        o(x)  # the first call sizes the state
-    assert _ops_of(obs, x) == _ops_of(native, x)
-    assert obs._num_observed_tokens == 2 * _quarks(x)  # two calls
+        o(x)  # the first call sizes the state (the general path), the second one plans
+        o(x)
+    assert _ops_of(obs, x) == _ops_of(native, x) == []
+    assert obs._num_observed_tokens == 3 * _quarks(x)  # three calls
 
 
 def test_repeated_shape_takes_no_state_key(monkeypatch):

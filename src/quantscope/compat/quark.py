@@ -285,6 +285,8 @@ class PerGroupMinMaxObserver(_DynamicOrStatic):
     always_memoryless = True
     _flat_stats = True
     _quark_int_priced = ("fp4", "fp6_e2m3", "fp6_e3m2")
+    #: its check_input (the shape) and set_shape (group_count) run on the cached CPU call too
+    _step_overrides = ("check_input", "set_shape")
 
     def _quark_attributes(self, qspec) -> dict:
         # group_count: 1 until a tensor is observed (set_shape), kept by a reset, as Quark's

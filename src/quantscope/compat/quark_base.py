@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..layout import Block, Channel, Group, Tensor
-from ..observers.minmax import MemorylessMinMaxObserver, StaticMinMaxObserver
+from ..observers.minmax import StaticMinMaxObserver
 from ..qparams import amax_of_range, qparams_from_range
 from ..scales import e8m0_scale
 from ..spec import QuantSpec
@@ -444,12 +444,6 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
             return self._quark_state_key(tuple(x.shape)) != self._quark_state_key(self.shape)
         except (ValueError, IndexError):  # forward says what is wrong with x
             return False
-
-    def _observe(self, units, lo, hi):
-        if not self.accumulates:
-            MemorylessMinMaxObserver._observe(self, units, lo, hi)
-        else:
-            StaticMinMaxObserver._observe(self, units, lo, hi)
 
     def _calculate_qparams(self):
         if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .._checks import write_refused
@@ -19,7 +17,7 @@ from ..stats.minmax import (
     update_state,
 )
 from .base import Observer, is_dtensor, only_observes, tokens_of
-from .minmax_step import cpu_step
+from .minmax_step import cpu_step, state_ends
 from .overflow import EMA_OVERFLOW
 from .registry import register
 
@@ -100,7 +98,7 @@ class MinMaxStateObserver(Observer):
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the common CPU call: one C pass, its decisions cached
-        if cpu_step(self, x, MinMaxStateObserver):
+        if cpu_step(self, x, MinMaxStateObserver, MemorylessMinMaxObserver):
             return x
         units = self._one_op_units(x)
         if units is None:
@@ -135,7 +133,9 @@ class MinMaxStateObserver(Observer):
         return units if units is not None and op_unit_count(units) == state.numel() else None
 
     def _observe(self, units, lo, hi):
-        if self._fused:
+        if not self.accumulates:  # an instance keeping the last call's alone (Quark's dynamic)
+            MemorylessMinMaxObserver._observe(self, units, lo, hi)
+        elif self._fused:
             object.__setattr__(self, "_fused", False)
         elif self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
             self.min_vals = lo.clone()
@@ -178,15 +178,13 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
         buffers = self._buffers
         if lo is not buffers["min_vals"]:  # new tensors (off the CPU): the state takes them
             buffers["min_vals"], buffers["max_vals"] = lo, hi
-        # (getattr: other classes call this method on themselves, as Quark's per-group one)
+        # (getattr: the min-max state observers run this on an instance that does not
+        # accumulate, as Quark's dynamic and per-group ones, which set no pending ends)
         e = getattr(self, "_pending_ends", None)
         ends = None
         # these lo / hi (not a step sync's), with the ends their pass found (CPU; None off it)
         if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:
-            try:
-                ends = (e[0], weakref.ref(lo), lo._version, weakref.ref(hi), hi._version)
-            except RuntimeError:  # inference tensors have no versions: derive it instead
-                pass
+            ends = state_ends(e[0], lo, hi)
         self.__dict__.update(_pending_ends=None, _state_ends=ends)
 
     def __getstate__(self):

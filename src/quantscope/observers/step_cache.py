@@ -1,10 +1,10 @@
-"""What the cached CPU steps share (:mod:`.minmax_step`, the accumulating min-max observers';
-:mod:`.hist_step`, the per-tensor histogram observers'; :mod:`.first_step`, a first-grid
-histogram's, ModelOpt's): one plan cache, the names of the observer attributes they keep
-caches in, which no copy or pickle carries (``Observer.__getstate__`` leaves them out: a
-scratch's address is its own object's memory, which a copy would write into), and the start
-every step makes (:func:`begin`: the plan, the last shape, leaving inference mode; first_step
-leaves it after its NaN / inf test).
+"""What the cached CPU steps share (:mod:`.minmax_step`, the min-max observers', accumulating
+or memoryless; :mod:`.hist_step`, the per-tensor histogram observers'; :mod:`.first_step`, a
+first-grid histogram's, ModelOpt's): one plan cache, the names of the observer attributes
+they keep caches in, which no copy or pickle carries (``Observer.__getstate__`` leaves them
+out: a scratch's address is its own object's memory, which a copy would write into), and the
+start every step makes (:func:`begin`: the plan, the last shape, leaving inference mode;
+first_step leaves it after its NaN / inf test).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ __all__ = ["CACHES", "MAX_PLANS", "begin", "cached_plan", "leave_inference_mode"
 
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
-#: the observer attributes the cached steps cache in: minmax_step's plans and scratch, then
-#: hist_step's, then first_step's; never copied or pickled
-CACHES = ("_cpu_plans", "_cpu_scratch", "_hist_plans", "_hist_scratch", "_first_plans",
-          "_first_scratch")
+#: the observer attributes the cached steps cache in: minmax_step's plans, scratch and ends,
+#: then hist_step's, then first_step's; never copied or pickled
+CACHES = ("_cpu_plans", "_cpu_scratch", "_cpu_ends", "_hist_plans", "_hist_scratch",
+          "_first_plans", "_first_scratch")
 
 
 def cached_plan(obs, x, attr: str, make):
