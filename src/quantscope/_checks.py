@@ -15,17 +15,47 @@ from collections.abc import Mapping
 
 import torch
 
+from ._numerics import _F32_MAX
 from ._plainchecks import check_bool, check_path
-from .formats import as_int, as_number, tensor_arg
+from .formats import FloatFormat, as_int, as_number, get_format, tensor_arg
+from .scales import E8M0_MODES
 from .spec import QuantSpec
 
-__all__ = ["FrozenDict", "as_int", "as_number", "check_bool", "check_code",
-           "check_code_range", "check_float32_range",
-           "check_global_amax", "check_int", "check_not_meta", "check_number", "check_path",
-           "check_per_unit", "check_range_args", "check_ranges", "check_real", "check_spec",
-           "dtensor_error", "env_flag", "is_amax", "is_dtensor", "is_finite",
-           "outside_quantscope", "pattern_refusal",
-           "regex_problem", "tensor_arg"]
+__all__ = [
+    "FrozenDict",
+    "as_int",
+    "as_number",
+    "check_bool",
+    "check_code",
+    "check_code_range",
+    "check_e8m0_args",
+    "check_float32_range",
+    "check_global_amax",
+    "check_int",
+    "check_int_consts",
+    "check_not_meta",
+    "check_number",
+    "check_nvfp4_args",
+    "check_nvfp4_min_scale",
+    "check_op_global_amax",
+    "check_op_ranges",
+    "check_path",
+    "check_per_unit",
+    "check_range_args",
+    "check_ranges",
+    "check_real",
+    "check_spec",
+    "dtensor_error",
+    "env_flag",
+    "is_amax",
+    "is_dtensor",
+    "is_finite",
+    "op_float_format",
+    "outside_quantscope",
+    "pattern_refusal",
+    "regex_problem",
+    "tensor_arg",
+]
 
 
 class FrozenDict(Mapping):
@@ -357,3 +387,78 @@ def regex_problem(pattern: str) -> str | None:
     if len(repeats) > PATTERN_REPEATS:
         return f"has {len(repeats)} repeats (at most {PATTERN_REPEATS})"
     return None
+
+# ---- the qparams ops' arguments (quantscope::int_qparams, e8m0_block_scales, nvfp4_qparams,
+# and the block ops of kernels/block_ops.py): checked with no device read, in the fakes too
+
+def check_op_ranges(lo: torch.Tensor, hi: torch.Tensor, who: str) -> None:
+    """``ValueError`` unless ``lo`` / ``hi`` are float32 of one shape on one device."""
+    if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
+            or lo.device != hi.device:
+        raise ValueError(f"quantscope::{who}: lo and hi must be float32 tensors of one shape "
+                         f"on one device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} and "
+                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
+
+
+def check_e8m0_args(lo: torch.Tensor, hi: torch.Tensor, format: str, mode: str) -> None:
+    """``quantscope::e8m0_block_scales``' arguments."""
+    check_op_ranges(lo, hi, "e8m0_block_scales")
+    get_format(format)  # a bad name raises here, on every device and in the fake
+    if mode not in E8M0_MODES:
+        raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
+                         f"got {mode!r}")
+
+
+def check_int_consts(lo: torch.Tensor, hi: torch.Tensor, consts: list[float]) -> None:
+    """``quantscope::int_qparams``' arguments (``consts``: ``kernels.qparams_consts``')."""
+    check_op_ranges(lo, hi, "int_qparams")
+    if len(consts) != 5 or not consts[0] < consts[1] or consts[3] not in (0.0, 1.0):
+        raise ValueError(f"quantscope::int_qparams: consts must be kernels.qparams_consts' "
+                         f"[qmin, qmax, min_scale, symmetric, zero point], got {consts}")
+    qmin, qmax, min_scale, _, zsym = consts
+    who = "quantscope::int_qparams"  # (Python floats: checked with no device read)
+    i32 = float(2**31 - 1)  # the zero points are int32
+    check_code(who, "consts[0] (qmin)", qmin, -i32, i32)
+    check_code(who, "consts[1] (qmax)", qmax, -i32, i32)
+    # QuantSpec.eps's rule: positive and float32 (0 would divide the zero point by 0)
+    check_number(who, "consts[2] (min_scale)", min_scale, 0.0, _F32_MAX, lo_open=True)
+    check_code(who, "consts[4] (the symmetric zero point)", zsym, qmin, qmax)
+
+
+def check_nvfp4_args(lo: torch.Tensor, hi: torch.Tensor, global_amax: torch.Tensor | None,
+                     format: str, min_scale: float) -> FloatFormat:
+    """The element format of NVFP4 ranges ``lo`` / ``hi`` under ``global_amax`` (one float32
+    value, or None), or the ``ValueError`` naming what is wrong."""
+    who = "nvfp4_qparams"
+    check_op_ranges(lo, hi, who)
+    if global_amax is not None:  # (its value unchecked: that would be a device read)
+        check_op_global_amax(global_amax, lo.device, who, "None or ")
+    check_nvfp4_min_scale(who, min_scale)
+    return op_float_format(format, who)
+
+
+def check_nvfp4_min_scale(who: str, min_scale: float) -> None:
+    """An NVFP4 op's ``min_scale``: a float32 number; 0 too (a block scale that rounds to 0
+    then stays 0: the block searches' NaN tests price such blocks,
+    tests/kernels/test_triton_block_search.py)."""
+    check_number(f"quantscope::{who}", "min_scale", min_scale, 0.0, _F32_MAX)
+
+
+def check_op_global_amax(global_amax: torch.Tensor, device, who: str,
+                         alternative: str = "") -> None:
+    """``ValueError`` unless ``global_amax`` is one float32 value on ``device`` (the NVFP4
+    ops' argument; ``alternative`` names what else the op accepts)."""
+    if global_amax.numel() != 1 or global_amax.device != device \
+            or global_amax.dtype != torch.float32:
+        raise ValueError(f"quantscope::{who}: global_amax must be {alternative}one float32 "
+                         f"value on {device}, got {global_amax.dtype} "
+                         f"{tuple(global_amax.shape)} on {global_amax.device}")
+
+
+def op_float_format(format: str, who: str) -> FloatFormat:
+    """The float element format named ``format``, or the ``ValueError`` naming it."""
+    fmt = get_format(format)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
+                         f"{format!r}")
+    return fmt

@@ -42,8 +42,15 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from ._checks import check_code, check_number, check_range_args, check_ranges, is_amax
-from ._numerics import _F32_MAX, true_div, upload
+from ._checks import (
+    check_e8m0_args,
+    check_int_consts,
+    check_nvfp4_args,
+    check_range_args,
+    check_ranges,
+    is_amax,
+)
+from ._numerics import true_div, upload
 from ._oplib import define
 from .formats import FP8_E4M3, FloatFormat, get_format, named
 from .kernels import triton as _triton
@@ -339,26 +346,11 @@ def _affine_qparams(lo, hi, qmin: float, qmax: float, min_scale: float, symmetri
 # ``quantscope::int_qparams`` / ``e8m0_block_scales`` / ``nvfp4_qparams`` (kernels.ops lists
 # them with the other ops): the formulas above from per-unit ranges, one Triton launch each
 # on CUDA (``nvfp4_qparams`` a second one where it finds the global amax). They live here
-# because qparams_from_range calls them off the CPU, and kernels.ops builds on this module.
-
-def _check_ranges(lo: Tensor, hi: Tensor, who: str) -> None:
-    if lo.dtype != torch.float32 or hi.dtype != torch.float32 or lo.shape != hi.shape \
-            or lo.device != hi.device:
-        raise ValueError(f"quantscope::{who}: lo and hi must be float32 tensors of one shape "
-                         f"on one device, got {lo.dtype} {tuple(lo.shape)} on {lo.device} and "
-                         f"{hi.dtype} {tuple(hi.shape)} on {hi.device}")
-
-
-def _check_e8m0(lo: Tensor, hi: Tensor, format: str, mode: str) -> None:
-    _check_ranges(lo, hi, "e8m0_block_scales")
-    get_format(format)  # a bad name raises here, on every device and in the fake
-    if mode not in E8M0_MODES:
-        raise ValueError(f"quantscope::e8m0_block_scales: mode must be one of {E8M0_MODES}, "
-                         f"got {mode!r}")
-
+# because qparams_from_range calls them off the CPU, and kernels.ops builds on this module;
+# their argument checks (the fakes' too) are _checks' (check_int_consts ...).
 
 def _torch_e8m0_block_scales(lo: Tensor, hi: Tensor, format: str, mode: str) -> Tensor:
-    _check_e8m0(lo, hi, format, mode)
+    check_e8m0_args(lo, hi, format, mode)
     # contiguous like the Triton kernel's and the fake's outputs, whatever lo's strides
     lo, hi = lo.contiguous(), hi.contiguous()
     return e8m0_scale(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), get_format(format), mode)
@@ -368,14 +360,14 @@ def _cuda_e8m0_block_scales(lo, hi, format, mode):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_e8m0_block_scales(lo, hi, format, mode)
-    _check_e8m0(lo, hi, format, mode)
+    check_e8m0_args(lo, hi, format, mode)
     fmt = get_format(format)
     return kernel.e8m0_block_scales(lo.contiguous(), hi.contiguous(), E8M0_MODES.index(mode),
                                     fmt.emax, fmt.mbits, fmt.max)
 
 
 def _fake_e8m0_block_scales(lo, hi, format, mode):
-    _check_e8m0(lo, hi, format, mode)
+    check_e8m0_args(lo, hi, format, mode)
     return lo.new_empty(lo.shape)
 
 
@@ -384,23 +376,8 @@ e8m0_block_scales_op = define(
     _torch_e8m0_block_scales, cuda=_cuda_e8m0_block_scales, fake=_fake_e8m0_block_scales)
 
 
-def _check_int(lo: Tensor, hi: Tensor, consts: list[float]) -> None:
-    _check_ranges(lo, hi, "int_qparams")
-    if len(consts) != 5 or not consts[0] < consts[1] or consts[3] not in (0.0, 1.0):
-        raise ValueError(f"quantscope::int_qparams: consts must be kernels.qparams_consts' "
-                         f"[qmin, qmax, min_scale, symmetric, zero point], got {consts}")
-    qmin, qmax, min_scale, _, zsym = consts
-    who = "quantscope::int_qparams"  # (Python floats: checked with no device read)
-    i32 = float(2**31 - 1)  # the zero points are int32
-    check_code(who, "consts[0] (qmin)", qmin, -i32, i32)
-    check_code(who, "consts[1] (qmax)", qmax, -i32, i32)
-    # QuantSpec.eps's rule: positive and float32 (0 would divide the zero point by 0)
-    check_number(who, "consts[2] (min_scale)", min_scale, 0.0, _F32_MAX, lo_open=True)
-    check_code(who, "consts[4] (the symmetric zero point)", zsym, qmin, qmax)
-
-
 def _torch_int_qparams(lo: Tensor, hi: Tensor, consts: list[float]) -> tuple[Tensor, Tensor]:
-    _check_int(lo, hi, consts)
+    check_int_consts(lo, hi, consts)
     qmin, qmax, min_scale, symmetric, zsym = consts
     lo, hi = lo.contiguous(), hi.contiguous()  # contiguous outputs, as the kernel's and fake's
     qp = _affine_qparams(lo.clamp(max=0), hi.clamp(min=0), qmin, qmax, min_scale,
@@ -412,12 +389,12 @@ def _cuda_int_qparams(lo, hi, consts):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_int_qparams(lo, hi, consts)
-    _check_int(lo, hi, consts)
+    check_int_consts(lo, hi, consts)
     return kernel.int_qparams(lo.contiguous(), hi.contiguous(), *consts)
 
 
 def _fake_int_qparams(lo, hi, consts):
-    _check_int(lo, hi, consts)
+    check_int_consts(lo, hi, consts)
     return lo.new_empty(lo.shape), lo.new_empty(lo.shape, dtype=torch.int32)
 
 
@@ -429,46 +406,9 @@ int_qparams_op = define(
     _torch_int_qparams, cuda=_cuda_int_qparams, fake=_fake_int_qparams)
 
 
-def _check_nvfp4(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
-                 min_scale: float) -> FloatFormat:
-    """The element format of NVFP4 ranges ``lo`` / ``hi`` under ``global_amax`` (one float32
-    value, or None), or the ``ValueError`` naming what is wrong."""
-    who = "nvfp4_qparams"
-    _check_ranges(lo, hi, who)
-    if global_amax is not None:  # (its value unchecked: that would be a device read)
-        _check_global_amax(global_amax, lo.device, who, "None or ")
-    _check_nvfp4_min_scale(who, min_scale)
-    return _float_format(format, who)
-
-
-def _check_nvfp4_min_scale(who: str, min_scale: float) -> None:
-    # a float32 number; 0 too: a block scale that rounds to 0 then stays 0 (the block
-    # searches' NaN tests price such blocks, tests/kernels/test_triton_block_search.py)
-    check_number(f"quantscope::{who}", "min_scale", min_scale, 0.0, _F32_MAX)
-
-
-def _check_global_amax(global_amax: Tensor, device, who: str, alternative: str = "") -> None:
-    """``ValueError`` unless ``global_amax`` is one float32 value on ``device`` (the NVFP4
-    ops' argument; ``alternative`` names what else the op accepts)."""
-    if global_amax.numel() != 1 or global_amax.device != device \
-            or global_amax.dtype != torch.float32:
-        raise ValueError(f"quantscope::{who}: global_amax must be {alternative}one float32 "
-                         f"value on {device}, got {global_amax.dtype} "
-                         f"{tuple(global_amax.shape)} on {global_amax.device}")
-
-
-def _float_format(format: str, who: str) -> FloatFormat:
-    """The float element format named ``format``, or the ``ValueError`` naming it."""
-    fmt = get_format(format)
-    if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"quantscope::{who}: format must be a float format, got "  # noqa: TRY004
-                         f"{format!r}")
-    return fmt
-
-
 def _torch_nvfp4_qparams(lo: Tensor, hi: Tensor, global_amax: Tensor | None, format: str,
                          min_scale: float) -> tuple[Tensor, Tensor]:
-    fmt = _check_nvfp4(lo, hi, global_amax, format, min_scale)
+    fmt = check_nvfp4_args(lo, hi, global_amax, format, min_scale)
     lo, hi = lo.contiguous(), hi.contiguous()  # contiguous outputs, as the kernel's and fake's
     return _nvfp4_scales(amax_of_range(lo.clamp(max=0), hi.clamp(min=0)), global_amax, fmt,
                          min_scale)
@@ -478,7 +418,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
     kernel = _triton.launchers("block_qparams", lo)
     if kernel is None:
         return _torch_nvfp4_qparams(lo, hi, global_amax, format, min_scale)
-    fmt = _check_nvfp4(lo, hi, global_amax, format, min_scale)
+    fmt = check_nvfp4_args(lo, hi, global_amax, format, min_scale)
     lo, hi = lo.contiguous(), hi.contiguous()
     amax = kernel.global_amax(lo, hi) if global_amax is None else global_amax.reshape(1)
     return kernel.nvfp4_qparams(lo, hi, amax, fmt.max, FP8_E4M3.max, FP8_E4M3.min_exp,
@@ -486,7 +426,7 @@ def _cuda_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
 
 
 def _fake_nvfp4_qparams(lo, hi, global_amax, format, min_scale):
-    _check_nvfp4(lo, hi, global_amax, format, min_scale)
+    check_nvfp4_args(lo, hi, global_amax, format, min_scale)
     return lo.new_empty(lo.shape), lo.new_empty(1)
 
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_per_unit
+from .._checks import check_nvfp4_min_scale, check_op_global_amax, check_per_unit, op_float_format
 from .._oplib import define
 from ..formats import IntFormat, get_format
-from ..qparams import _check_global_amax, _check_nvfp4_min_scale, _float_format
 from ..qparams import e8m0_block_scales_op as e8m0_block_scales
 from ..qparams import nvfp4_qparams_op as nvfp4_qparams
 from ..scales import E8M0_MODES
@@ -55,9 +54,9 @@ def _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start=0, weigh
 def _check_nvfp4(who, units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min_scale,
                  ext_start=0, weights=None):
     _check_block(who, units, lo, hi, factors, inc_lo, inc_hi, ext_start, weights)
-    _check_global_amax(global_amax, units.device, who)
-    _check_nvfp4_min_scale(who, min_scale)
-    return _float_format(format, who)
+    check_op_global_amax(global_amax, units.device, who)
+    check_nvfp4_min_scale(who, min_scale)
+    return op_float_format(format, who)
 
 
 def _check_mx(who, units, lo, hi, factors, inc_lo, inc_hi, format, mode, ext_start=0,
@@ -114,7 +113,7 @@ def nvfp4_price(units, lo, hi, factors, inc_lo, inc_hi, global_amax, format, min
         scale, gs = nvfp4_qparams(lo, hi, global_amax.reshape(1), format, min_scale)
         return scale, scale / gs
     return _block_price(units, lo, hi, factors, inc_lo, inc_hi,
-                        _float_format(format, "nvfp4_price"), scales, weights)
+                        op_float_format(format, "nvfp4_price"), scales, weights)
 
 
 def mx_price(units, lo, hi, factors, inc_lo, inc_hi, format, mode, weights=None):

@@ -46,7 +46,7 @@ from ..stats.minmax import (
 from ..stats.minmax_layouts import layout_minmax, unpad_minmax_
 from . import record
 from .overflow import range_overflow
-from .shape import record_shape, units_before
+from .shape import record_shape, tokens_of, units_before
 from .step_cache import CACHES
 from .sync import loaded_mark, step_sync, sync_observers, synced_record
 
@@ -63,11 +63,6 @@ def only_observes(forward):
     ``forward``, never grouped: :attr:`Observer.takes_minmax`."""
     forward.only_observes = True
     return forward
-
-
-def tokens_of(x: torch.Tensor) -> int:
-    """How many tokens (rows of the last axis) ``x`` holds: what ``observed_tokens`` counts."""
-    return x.numel() // x.shape[-1] if x.dim() else 1
 
 
 class Observer(nn.Module):

@@ -1,5 +1,6 @@
 """The last observed shape of an observer: the ``observed_shape`` buffer and its Python mirror
-``Observer._last_shape`` (eager ``forward`` reads the mirror, never the device tensor).
+``Observer._last_shape`` (eager ``forward`` reads the mirror, never the device tensor), and the
+token count of an input (``observed_tokens``).
 
 Under ``torch.compile`` the mirror is written, never read: dynamo would guard on its value,
 which changes with every token count, and recompile per input shape (the 9th shape a hard
@@ -13,7 +14,12 @@ import torch
 
 from .._numerics import upload
 
-__all__ = ["record_shape", "units_before"]
+__all__ = ["record_shape", "tokens_of", "units_before"]
+
+
+def tokens_of(x: torch.Tensor) -> int:
+    """How many tokens (rows of the last axis) ``x`` holds: what ``observed_tokens`` counts."""
+    return x.numel() // x.shape[-1] if x.dim() else 1
 
 
 def units_before(obs) -> int | None:
