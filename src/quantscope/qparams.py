@@ -35,6 +35,7 @@ narrower than the format take the upper midpoint here, torch.ao the lower one.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -133,6 +134,28 @@ def _affine_consts(spec: QuantSpec) -> list[float] | None:
     return kernels.qparams_consts(spec)
 
 
+_consts: dict[int, tuple] = {}
+
+
+def _int_consts(spec: QuantSpec):
+    """:func:`_affine_consts` of ``spec`` as the C array the integer kernel reads (None where
+    it does not apply), made once per spec object (at most 64 kept): no tensor per call."""
+    hit = _consts.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        consts = _affine_consts(spec)
+        if len(_consts) >= 64:
+            _consts.clear()
+        array = None if consts is None else (ctypes.c_double * 5)(*consts)
+        hit = _consts[id(spec)] = (spec, array)
+    return hit[1]
+
+
+def _new(shape, dtype: torch.dtype, fill=torch.empty) -> torch.Tensor:
+    """``fill(shape, dtype=dtype)`` on the CPU: a kernel's output (sizes as ints: torch parses
+    them in half the time of a ``torch.Size``)."""
+    return fill(*shape, dtype=dtype) if len(shape) else fill((), dtype=dtype)
+
+
 def _kernel_took(result: int, ordered: bool) -> bool:
     """Whether a qparams kernel's ``result`` (``qs_range_flags``, csrc/qs_qparams.h) stands:
     not for NaN / inf (1), nor for ``lo > hi`` (2) where the caller needs ``ordered``."""
@@ -140,22 +163,21 @@ def _kernel_took(result: int, ordered: bool) -> bool:
 
 
 def _int_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
-                        ordered: bool = False) -> QParams | None:
-    """The integer branch with fp32 scales in one C pass over float32 CPU ranges; None where
-    it does not apply (no kernel, other formats or devices, a NaN / inf range, with
-    ``ordered`` one with ``lo > hi``: the torch branch then raises or computes). Bitwise the
-    torch branch (tests/kernels/test_native.py)."""
-    consts = _affine_consts(spec)
-    if (consts is None or lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
-            or not kernels.real(lo, hi) or (lib := kernels.lib("int_qparams")) is None):
+                        ordered: bool = False, shape=None) -> QParams | None:
+    """The integer branch with fp32 scales in one C pass over float32 CPU ranges, its results
+    made in ``shape`` (``lo``'s by default; as many values); None where it does not apply (no
+    kernel, other formats or devices, a NaN / inf range, with ``ordered`` one with ``lo >
+    hi``: the torch branch then raises or computes). Bitwise the torch branch
+    (tests/kernels/test_native.py)."""
+    if (lo.device.type != "cpu" or lo.requires_grad or hi.requires_grad
+            or not kernels.real(lo, hi) or (lib := kernels.lib("int_qparams")) is None
+            or (consts := _int_consts(spec)) is None):  # (after the context: no trace)
         return None
     lo, hi = lo.contiguous(), hi.contiguous()
-    scale = torch.empty(lo.shape, dtype=torch.float32)
-    zp = torch.empty(lo.shape, dtype=torch.int32)
-    q = torch.tensor(consts, dtype=torch.float64)
-    if not _kernel_took(lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(),
-                                           q.data_ptr(), scale.data_ptr(), zp.data_ptr()),
-                        ordered):
+    shape = lo.shape if shape is None else shape
+    scale, zp = _new(shape, torch.float32), _new(shape, torch.int32)
+    if not _kernel_took(lib.qs_int_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), consts,
+                                           scale.data_ptr(), zp.data_ptr()), ordered):
         return None
     return QParams(scale, zp)
 
@@ -169,19 +191,20 @@ def _block_kernel_applies(spec: QuantSpec) -> bool:
 
 
 def _block_qparams_kernel(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
-                          global_amax, ordered: bool = False) -> QParams | None:
-    """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges; None where
-    it does not apply (no kernel, other encodings or devices, a NaN / inf range, with
-    ``ordered`` one with ``lo > hi``: the torch branch then raises or computes). Bitwise the
-    torch branch (tests/kernels/test_block_qparams.py)."""
+                          global_amax, ordered: bool = False, shape=None) -> QParams | None:
+    """The E8M0 (MX) and fp8-block (NVFP4) branches in C over float32 CPU ranges (results in
+    ``shape``, as :func:`_int_qparams_kernel`'s); None where it does not apply (no kernel,
+    other encodings or devices, a NaN / inf range, with ``ordered`` one with ``lo > hi``: the
+    torch branch then raises or computes). Bitwise the torch branch
+    (tests/kernels/test_block_qparams.py)."""
     enc, fmt = spec.scale, spec.format
     if (not _block_kernel_applies(spec) or lo.device.type != "cpu" or lo.requires_grad
             or hi.requires_grad or not kernels.real(lo, hi)
             or (lib := kernels.lib("block_qparams")) is None):
         return None
     lo, hi = lo.contiguous(), hi.contiguous()
-    scale = torch.empty(lo.shape, dtype=torch.float32)
-    zero = torch.zeros(lo.shape, dtype=torch.int32)
+    shape = lo.shape if shape is None else shape
+    scale, zero = _new(shape, torch.float32), _new(shape, torch.int32, torch.zeros)
     if enc.kind == "e8m0":
         mode = E8M0_MODES.index(enc.mode)
         if not _kernel_took(lib.qs_e8m0_qparams(lo.data_ptr(), hi.data_ptr(), lo.numel(), mode,
@@ -236,8 +259,9 @@ def _block_qparams_op(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec,
 
 def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                        global_amax: torch.Tensor | None = None,
-                       check_finite: bool = True) -> QParams:
-    """Scale and zero point for per-unit ranges ``[lo, hi]`` under ``spec``.
+                       check_finite: bool = True, shape=None) -> QParams:
+    """Scale and zero point for per-unit ranges ``[lo, hi]`` under ``spec``, of ``lo``'s
+    shape, or ``shape`` (a reshape of them: the C kernels make them in it, no view after).
 
     ``global_amax`` is NVFP4's whole-tensor absolute maximum (other specs ignore it); by
     default the largest ``max(|lo|, |hi|)`` over the units given (all blocks of one tensor).
@@ -257,13 +281,20 @@ def qparams_from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *,
                          f"{tuple(lo.shape)} and {tuple(hi.shape)}")
     # the integer branch in C for any CPU ranges: one call costs less than the torch
     # branch's dozen small ops at every count (one unit: 12 against 44-55 us)
-    qp = _int_qparams_kernel(lo, hi, spec, check_finite) if lo.numel() else None
+    made = shape if shape is not None and math.prod(shape) == lo.numel() else None
+    qp = _int_qparams_kernel(lo, hi, spec, check_finite, made) if lo.numel() else None
     if qp is None and (check_finite or lo.numel() >= KERNEL_MIN_UNITS):
-        qp = _block_qparams_kernel(lo, hi, spec, global_amax, check_finite)
+        qp = _block_qparams_kernel(lo, hi, spec, global_amax, check_finite, made)
     if check_finite:  # after the C kernels, which test NaN / inf and lo > hi in their pass
         check_ranges("qparams_from_range", lo, hi, global_amax, ranges=qp is None)
-    if qp is not None:
-        return qp
+    if qp is None:
+        qp = _unkernelled(lo, hi, spec, global_amax)
+    return qp if shape is None or qp.scale.shape == shape else qp.reshape(shape)
+
+
+def _unkernelled(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, global_amax) -> QParams:
+    """:func:`qparams_from_range` where no C kernel took the ranges: the ops off the CPU,
+    else the torch branches."""
     if lo.device.type != "cpu":  # the ops (Triton on CUDA) where they apply
         qp = _block_qparams_op(lo, hi, spec, global_amax)
         if qp is None:

@@ -215,9 +215,23 @@ class QuarkObserver(SavesNoState):
         return _quark_rows(t.reshape(self.spec.layout.qparam_shape(self.shape)), self.shape,
                            self.spec.layout.axis)
 
+    def _quark_reshape(self) -> tuple[int, ...] | None:
+        """:meth:`_quark_shape`'s shape where it is a reshape of the layout's qparams (no
+        permute: per tensor, per channel, groups / blocks along the last axis), which the
+        native qparams are then made in; None elsewhere."""
+        layout, shape = self.spec.layout, self.shape
+        if isinstance(layout, Tensor | Channel):
+            units = layout.num_units(shape)
+            return () if units == 1 and isinstance(layout, Tensor) else (units,)
+        if layout.axis % len(shape) != len(shape) - 1:
+            return None
+        groups = layout.qparam_shape(shape)[-1]
+        return layout.num_units(shape) // groups, groups
+
     def _calculate_qparams(self):
-        lo, hi, qp = self.range_and_qparams()
-        scale = self._quark_shape(qp.effective_scale)
+        shape = self._quark_reshape()
+        lo, hi, qp = self.range_and_qparams(shape)  # (in Quark's shape, or the layout's)
+        scale = qp.effective_scale if shape is not None else self._quark_shape(qp.effective_scale)
         if self.spec.scale.is_block:  # float32 (Quark's even_round): the class casts it
             return scale, torch.zeros_like(scale)
         if self.spec.is_float:  # Quark divides in scale_type's dtype
@@ -227,7 +241,9 @@ class QuarkObserver(SavesNoState):
         work = quark_work_dtype(self._input_dtype)
         if not self.spec.symmetric or torch.finfo(work).bits < 32:
             lo, hi = (_cast(self._quark_shape(t), work) for t in (lo, hi))
-        return self._quark_int_qparams(lo, hi, scale, work)
+        # a signed format's symmetric zero point: the native's zeros, where in Quark's shape
+        zero = qp.zero_point if shape is not None and self.spec.format.signed else None
+        return self._quark_int_qparams(lo, hi, scale, work, zero)
 
     def calculate_qparams(self, min_val: torch.Tensor | None = None,
                           max_val: torch.Tensor | None = None):
@@ -256,10 +272,11 @@ class QuarkObserver(SavesNoState):
             return self.calculate_fp4_quant_parameters(min_val, max_val)
         return self.calculate_fp8_quant_parameters(min_val, max_val)
 
-    def _check_fp4_scale_format(self) -> None:
+    def _check_fp4_scale_format(self, dtype: str | None = None) -> None:
         """Quark's uniform classes price fp4 with ``get_scale(scale_format)``, which raises
-        ValueError (before data too) when the qspec has none: so does this one."""
-        if (self._quark_base == "uniform" and enum_name(self.dtype) == "fp4"
+        ValueError (before data too) when the qspec has none: so does this one (``dtype``:
+        ``enum_name(self.dtype)`` where the caller has it)."""
+        if (self._quark_base == "uniform" and (dtype or enum_name(self.dtype)) == "fp4"
                 and self.scale_format is None):
             raise ValueError(f"{type(self).__name__}: dtype 'fp4' needs a scale_format (e8m0, "
                              f"e4m3, e5m3 or float32), got None: Quark's get_scale has no "
@@ -288,23 +305,26 @@ class QuarkObserver(SavesNoState):
         return self._quark_int_qparams(min_val, max_val, qp.scale)
 
     def _quark_int_qparams(self, lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor,
-                           work: torch.dtype | None = None):
+                           work: torch.dtype | None = None, zero: torch.Tensor | None = None):
         """Quark's integer ``(scale, zero_point)`` of its range from the native float32 ``scale``
         (its shape), in the dtypes of Quark's ops: the range's (``work``), promoted by the clamp
         to eps; the zero point Quark's ``qmin - round(min(lo, 0) / scale)`` (the native rounds
-        ``qmin - lo / scale`` whole: a code off where float32 rounds that sum, int16)."""
+        ``qmin - lo / scale`` whole: a code off where float32 rounds that sum, int16), or a
+        symmetric one's zeros: ``zero`` (int32 zeros of ``scale``'s shape) where given."""
         work = work or quark_work_dtype(torch.result_type(lo, hi))
         width = quark_half_width(lo, hi, work, sym := self.spec.symmetric)
         if width is not None:  # the native formula over Quark's rounded range
             lo0 = -width if sym else torch.zeros_like(width)
             scale = qparams_from_range(lo0, width, self.spec, check_finite=False).scale
-        eps = getattr(self.eps, "dtype", torch.float32)  # a buffer's, or a float's
+        eps = self._buffers.get("eps")  # (the block classes' eps is a float: float32)
+        eps = torch.float32 if eps is None else eps.dtype
         # the range's dtype (torch's half division rounds the float32 quotient, as this cast)
         scale = _cast(_cast(scale, work), _quark_int_scale_dtype(work, scale.dim() == 0, eps))
-        qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
-        # symmetric: Quark's zeros (the native rule: uint8's mid code 128)
-        zp = (torch.zeros_like(scale, dtype=torch.int32) if sym else
-              (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax))
+        if sym:  # Quark's zeros (the native rule: uint8's mid code 128)
+            zp = torch.zeros_like(scale, dtype=torch.int32) if zero is None else zero
+        else:
+            qmin, qmax = int(self.spec.qmin), int(self.spec.qmax)
+            zp = (qmin - torch.round(lo.clamp(max=0) / scale).to(torch.int32)).clamp(qmin, qmax)
         return _cast(scale, self.scale_torch_dtype or scale.dtype), zp
 
     def _quark_before_data(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,9 +466,10 @@ class _DynamicOrStatic(QuarkObserver, StaticMinMaxObserver):
             return False
 
     def _calculate_qparams(self):
-        if enum_name(self.dtype) in self._quark_int_priced:  # Quark's default, or its assert
+        dtype = enum_name(self.dtype)
+        if dtype in self._quark_int_priced:  # Quark's default, or its assert
             return self.calculate_qparams(self.min_val, self.max_val)
-        self._check_fp4_scale_format()
+        self._check_fp4_scale_format(dtype)
         if not self.has_observed:
             return self._quark_before_data()
         if self.spec.is_float:  # Quark's float rules (quant_max_first_level, eps fill)

@@ -185,7 +185,7 @@ def _quark_int_scale_dtype(work: torch.dtype, zero_dim: bool,
     dtype (:func:`quark_work_dtype`), promoted with its eps buffer's dtype (float32 unless a
     module cast changed it) when the range is 0-dim (``zero_dim``), as Quark's clamp by that
     0-dim buffer promotes it (a 1-dim+ range keeps its dtype)."""
-    return torch.promote_types(work, eps_dtype) if zero_dim else work
+    return torch.promote_types(work, eps_dtype) if zero_dim and work != eps_dtype else work
 
 
 def _quark_rows(t: torch.Tensor, shape, axis: int) -> torch.Tensor:

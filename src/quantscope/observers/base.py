@@ -305,16 +305,17 @@ class Observer(nn.Module):
         """The native :class:`~quantscope.QParams`, shaped for the last observed tensor."""
         return self.range_and_qparams()[2]
 
-    def range_and_qparams(self) -> tuple[torch.Tensor, torch.Tensor, QParams]:
-        """``(lo, hi, qparams)`` from one range estimate (a search or histogram estimator
-        runs once; model calibration reports the range beside the qparams)."""
+    def range_and_qparams(self, shape=None) -> tuple[torch.Tensor, torch.Tensor, QParams]:
+        """``(lo, hi, qparams)`` of one range estimate (a search runs once), the qparams shaped
+        ``shape`` (default: the layout's, for the last tensor observed; a compat class's own)."""
         self.check_ready()
         lo, hi = self.calculate_range()
+        shape = self.spec.layout.qparam_shape(self.shape) if shape is None else shape
         try:
-            qp = qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax())
+            return lo, hi, qparams_from_range(lo, hi, self.spec, global_amax=self.global_amax(),
+                                              shape=shape)
         except ValueError as err:  # no NaN / inf came in (check_ready): did the state overflow?
             raise range_overflow(self, lo, hi) or err
-        return lo, hi, qp.reshape(self.spec.layout.qparam_shape(self.shape))
 
     @property
     def shape(self) -> tuple[int, ...] | None:
@@ -332,11 +333,11 @@ class Observer(nn.Module):
         if not self.has_observed:
             raise ValueError(f"{self.describe()}: calculate_qparams() called before any tensor was "
                              f"observed; call the observer on calibration data first")
-        if self.seen_non_finite.is_meta:  # (bool() would raise torch's bare .item() error)
+        flags = (self._buffers["seen_non_finite"], self._buffers["non_finite_count"])
+        if flags[0].is_meta:  # (bool() would raise torch's bare .item() error)
             raise ValueError(f"{self.describe()}: its state is on the meta device, which holds "
                              f"no statistics to compute qparams from; observe on a real device")
-        flags = (self.seen_non_finite, self.non_finite_count)  # one read off the CPU (a sync)
-        seen, count = flags if flags[0].is_cpu else torch.stack(flags).tolist()
+        seen, count = flags if flags[0].is_cpu else torch.stack(flags).tolist()  # one sync
         if bool(seen):
             raise ValueError(f"{self.describe()}: observed NaN or inf values; fix the input or "
                              f"construct the observer with non_finite='ignore' to skip them")
