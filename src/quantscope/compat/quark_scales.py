@@ -30,6 +30,8 @@ _COUNTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: time (float16: numpy's compare is emulated, slower from 4K elements); float32 / float64 at
 #: any size on one torch thread (above these torch's reductions split over the threads)
 _HOST_COUNT_BELOW = {torch.float32: 1 << 17, torch.float64: 1 << 17, torch.float16: 1 << 12}
+#: the dtypes the C token count reads, by its code (csrc/unit_minmax.c, qs_nonzero_rows)
+_KERNEL_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
 class QuarkAssertionError(ValueError, AssertionError):
@@ -122,9 +124,15 @@ def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *
 
 def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
     """Quark's token count of ``x`` (2-D+, not empty), as :func:`_quark_token_count`: a
-    Python int where numpy reads a CPU float32 / float64 / float16 batch (no tensor op, no
-    tensor to add the count with), else that function's 0-dim tensor (no host sync; traced
-    by torch.compile / torch.export, which cannot trace numpy)."""
+    Python int where the C kernel reads a contiguous CPU float32 / bf16 / fp16 / float64 batch
+    (``qs_nonzero_rows``: each row up to its first value that is not zero, a few ns on most
+    rows) or numpy another CPU float32 / float64 / float16 one (no tensor op, no tensor to add
+    the count with), else that function's 0-dim tensor (no host sync; traced by torch.compile /
+    torch.export, which trace neither: ``kernels.lib`` is None there)."""
+    code = _KERNEL_CODES.get(x.dtype)
+    if (code is not None and x.is_cpu and x.is_contiguous()
+            and (lib := kernels.lib("unit_minmax")) is not None and kernels.real_tensor(x)):
+        return lib.qs_nonzero_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], code)
     limit = _HOST_COUNT_BELOW.get(x.dtype)
     if (torch.compiler.is_compiling() or limit is None or not x.is_cpu or x.is_neg() or (
             x.numel() >= limit and (x.dtype == torch.float16 or torch.get_num_threads() > 1))

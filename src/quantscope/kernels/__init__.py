@@ -74,6 +74,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
         "qs_col_minmax": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT, _I, _INT],
         "qs_actorder_minmax": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _INT, _INT],
         "qs_padded_minmax": [_P, _I, _I, _I, _P, _P, _INT, _INT],
+        "qs_nonzero_rows": [_P, _I, _I, _INT],
     },
     "hist_kernel": {
         "qs_hist_bin": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT],

@@ -1,5 +1,6 @@
 /* Called from quantscope.stats.minmax through quantscope.kernels; that module's doc says what it
-   computes and tests compare it with its torch reference bit for bit. */
+   computes and tests compare it with its torch reference bit for bit. qs_nonzero_rows (at the
+   end) is quantscope.compat.quark_scales' token count, held to Quark's expression. */
 #include "qs_threads.h"
 #include <stdint.h>
 #include <math.h>
@@ -1053,4 +1054,54 @@ int64_t qs_actorder_minmax(const void *x, int64_t R, int64_t C, int64_t rs, int6
     for (int t = 0; t < threads; ++t)
         jobs[t] = (ajob_t){&a, U * t / threads, U * (t + 1) / threads};
     return qs_run_jobs(arun, jobs, sizeof jobs[0], threads) ? -2 : 0;
+}
+
+/* ---- the rows holding a value other than zero (Quark's token count) ------------------- */
+
+/* float64 elements: qs_nonzero_rows only (the min / max kernels read float32, bf16, fp16) */
+#define QS_F64 3
+
+/* values read at a time: a vector compare each, up to the first piece holding a value != 0 */
+#define QS_PIECE 64
+
+/* Whether one of the n values at x + at (element type dt) compares != 0. */
+static int piece_holds(const void *x, int dt, int64_t at, int64_t n) {
+    int any = 0;
+    if (dt == QS_F64) {
+        const double *p = (const double *)x + at;
+        for (int64_t i = 0; i < n; ++i) any |= p[i] != 0.0;
+    } else if (dt == QS_F32) {
+        const float *p = (const float *)x + at;
+        for (int64_t i = 0; i < n; ++i) any |= p[i] != 0.0f;
+    } else if (dt == QS_F16) {  /* an fp16 other than +-0 widens to a normal float, inf, NaN */
+        const uint16_t *h = (const uint16_t *)x + at;
+        for (int64_t i = 0; i < n; ++i) any |= (h[i] & 0x7fff) != 0;
+    } else {  /* bf16: float32's upper half, compared as float32 */
+        const uint16_t *h = (const uint16_t *)x + at;
+        for (int64_t i = 0; i < n; ++i) {
+            const uint32_t w = (uint32_t)h[i] << 16;
+            float f;
+            memcpy(&f, &w, 4);
+            any |= f != 0.0f;
+        }
+    }
+    return any;
+}
+
+static int row_holds(const void *x, int dt, int64_t at, int64_t n) {
+    for (int64_t i = 0; i < n; i += QS_PIECE)
+        if (piece_holds(x, dt, at + i, n - i < QS_PIECE ? n - i : QS_PIECE)) return 1;
+    return 0;
+}
+
+/* How many of the `rows` rows of `cols` values at x (element type dt, or QS_F64) hold a value
+   that compares != 0: NaN does, +-0.0 does not, a subnormal float32 / bf16 / float64 as the
+   calling thread's denormal mode reads it (torch's compare too). Quark's token count
+   ((x != 0).any(-1).sum()); a row is read up to its first such value. -1: bad sizes. */
+int64_t qs_nonzero_rows(const void *x, int64_t rows, int64_t cols, int dt) {
+    if (rows < 0 || cols < 1 || dt < QS_F32 || dt > QS_F64) return -1;
+    int64_t n = 0;
+    for (int64_t r = 0; r < rows; ++r)
+        n += row_holds(x, dt, r * cols, cols);
+    return n;
 }

@@ -1,0 +1,88 @@
+"""compat.quark's token count by the C kernel (``qs_nonzero_rows``, csrc/unit_minmax.c): Quark's
+``(x != 0).any(-1).sum()`` on every row layout the kernel's pieces of 64 values cut (a value
+first found in any piece, at its edges, in a short tail), NaN, inf, -0.0 and subnormals
+(denormals flushed too: as torch's compare reads them), float32 / bf16 / fp16 / float64, and
+each input it does not read (strided, negative views, other dtypes) counted by the paths
+before it. The code before counted with numpy (float32 / float64 / small fp16) or torch:
+4-40 us a batch where the kernel takes 2-3 (8 x 64 to 256 x 1024, one thread). No Quark
+needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from quantscope import kernels
+from quantscope.compat.quark_scales import quark_token_count
+
+pytestmark = pytest.mark.skipif(not kernels.available("unit_minmax"), reason="no kernel")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _quarks(x):
+    return int(x.ne(0).any(-1).sum())
+
+
+def _placed(dtype, cols: int) -> torch.Tensor:
+    """One row per position of a single value (the rest zeros, a -0.0 among them), several
+    kinds of value, plus all-zero and all -0.0 rows."""
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal (fp16: a normal float32)
+    values = [1.0, -3.0, float("nan"), float("inf"), float("-inf"), tiny, -tiny]
+    rows = []
+    for at in sorted({0, 1, 7, 8, 63, 64, 65, 127, 128, cols - 1} & set(range(cols))):
+        for v in values:
+            row = torch.zeros(cols, dtype=dtype)
+            row[cols // 2] = -0.0
+            row[at] = v
+            rows.append(row)
+    rows += [torch.zeros(cols, dtype=dtype), torch.full((cols,), -0.0, dtype=dtype)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [1, 5, 8, 63, 64, 65, 130, 200])
+@pytest.mark.parametrize("flush", [False, True], ids=["denormals", "flushed"])
+def test_every_position_and_value(dtype, cols, flush):
+    x = _placed(dtype, cols)
+    torch.set_flush_denormal(flush)
+    try:
+        got, want = quark_token_count(x), _quarks(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert isinstance(got, int) and got == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_leading_dims_are_rows(dtype):
+    x = _placed(dtype, 70)[:57].reshape(-1, 3, 70)  # (19, 3, 70)
+    assert quark_token_count(x) == _quarks(x)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_tensor_op():
+    x = torch.randn(64, 256)
+    with _Ops() as mode:
+        got = quark_token_count(x)
+    assert got == 64 and mode.ops == []
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.t(),  # strided: numpy's or torch's count
+    lambda x: torch._neg_view(x),  # its memory holds -x (the same zeros: torch counts)
+    lambda x: x.to(torch.float8_e4m3fn),  # no kernel dtype
+    lambda x: x[:, ::2],
+])
+def test_inputs_the_kernel_does_not_read(make):
+    x = make(_placed(torch.float32, 70))
+    assert int(quark_token_count(x)) == _quarks(x.float() if x.element_size() == 1 else x)
