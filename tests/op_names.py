@@ -11,11 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class OpNames(TorchDispatchMode):
     """Counts every op dispatched under it by name (``"quantscope.unit_minmax"``,
-    ``"aten.amin"``, ...): ``calls`` (a Counter), ``names`` (those seen)."""
+    ``"aten.amin"``, ...): ``calls`` (a Counter), ``names`` (those seen); ``order``: each op
+    in turn, by its overload's name (``"aten.empty.memory_format"``)."""
 
     def __init__(self):
         super().__init__()
         self.calls = Counter()
+        self.order: list[str] = []
 
     @property
     def names(self) -> set[str]:
@@ -23,6 +25,7 @@ class OpNames(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[str(func.overloadpacket)] += 1
+        self.order.append(str(func))
         return func(*args, **(kwargs or {}))
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_names import OpNames
 from test_quark_overhead import _rows  # the edge rows: zeros, -0.0, NaN, inf, a subnormal
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from quantscope import kernels
 from quantscope.compat import quark
@@ -64,21 +64,13 @@ def test_token_count_with_denormals_flushed():
     assert got == want
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def _ops_of(obs, x) -> list:
-    with _Ops() as mode:
+    with OpNames() as mode:
         obs(x)
     # (x.numpy() detaches its view first: no kernel, no memory read)
-    return [op for op in mode.ops if op is not torch.ops.aten.detach.default]
+    return [op for op in mode.order if op != "aten.detach.default"]
 
 
 CASES = [("PerTensorMinMaxObserver", {"dtype": "int8"}),

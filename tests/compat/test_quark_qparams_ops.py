@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 from quantscope import kernels
 from quantscope.compat import quark
@@ -29,14 +29,6 @@ OTHERS = [("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}),
           ("PerTensorMinMaxObserver", {"dtype": "int8", "scale_type": "float16"})]
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def _observed(name, qspec, x):
@@ -49,10 +41,10 @@ def _observed(name, qspec, x):
 def test_signed_symmetric_qparams_are_the_kernels_outputs(name, qspec):
     obs = _observed(name, qspec, torch.randn(8, 64))
     obs._calculate_qparams()
-    with _Ops() as mode:
+    with OpNames() as mode:
         scale, zp = obs._calculate_qparams()
     # the flag and count read back (check_ready), then the kernel's two outputs
-    assert mode.ops == ["_local_scalar_dense.default"] * 2 + ["empty.memory_format"] * 2
+    assert mode.order == ["aten._local_scalar_dense.default"] * 2 + ["aten.empty.memory_format"] * 2
     assert zp.dtype == torch.int32 and not bool(zp.any()) and zp.shape == scale.shape
 
 

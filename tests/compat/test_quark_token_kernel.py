@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 from quantscope import kernels
 from quantscope.compat.quark_scales import quark_token_count
@@ -60,21 +60,13 @@ def test_leading_dims_are_rows(dtype):
     assert quark_token_count(x) == _quarks(x)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_no_tensor_op():
     x = torch.randn(64, 256)
-    with _Ops() as mode:
+    with OpNames() as mode:
         got = quark_token_count(x)
-    assert got == 64 and mode.ops == []
+    assert got == 64 and mode.order == []
 
 
 @pytest.mark.parametrize("make", [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 from quantscope import Channel, Group, QuantSpec, kernels
 from quantscope import qparams as Q
@@ -58,14 +58,6 @@ def test_a_shape_of_other_size_is_the_reshapes_error():
         Q.qparams_from_range(lo, hi, QuantSpec("int8"), shape=(5,))
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.skipif(not kernels.available("int_qparams"), reason="no compiled kernel")
@@ -73,9 +65,9 @@ def test_the_kernel_makes_them_in_the_shape():
     """Two outputs, no view, no tensor of constants."""
     lo, hi = ranges(12)
     Q.qparams_from_range(lo, hi, QuantSpec("int8"), shape=(3, 4))
-    with _Ops() as mode:
+    with OpNames() as mode:
         qp = Q.qparams_from_range(lo, hi, QuantSpec("int8"), shape=(3, 4))
-    assert mode.ops == ["empty.memory_format"] * 2 and qp.scale.shape == (3, 4)
+    assert mode.order == ["aten.empty.memory_format"] * 2 and qp.scale.shape == (3, 4)
 
 
 def test_constants_once_per_spec_object():

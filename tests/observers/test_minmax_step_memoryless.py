@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
+from state_checks import assert_same_buffers
 
 from quantscope import Block, Channel, Group, QuantSpec, Tensor, Token
 from quantscope.observers import MemorylessMinMaxObserver, StaticMinMaxObserver
@@ -38,13 +39,7 @@ def pair(cls, spec, **kw):
 
 
 def same(a, b):
-    for name, buf in a._buffers.items():
-        other = b._buffers[name]
-        assert buf.shape == other.shape and buf.dtype == other.dtype, name
-        assert torch.equal(buf, other) or bool(((buf == other) | buf.isnan() & other.isnan())
-                                                .all()), name
-        if not buf.is_inference():  # (inference tensors keep no versions)
-            assert buf._version == other._version, name
+    assert_same_buffers(a, b)
     assert a.shape == b.shape
 
 
@@ -95,14 +90,6 @@ def test_padded_blocks_keep_the_general_path():
     assert [key[0] for key, plan in plans.items() if plan is None] == [torch.Size((8, 70))]
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_memoryless_call_runs_no_tensor_op():
@@ -112,9 +99,9 @@ def test_memoryless_call_runs_no_tensor_op():
     x, y = g(0, 8, 64), g(1, 8, 64)
     obs(x)
     obs(x)
-    with _Ops() as mode:
+    with OpNames() as mode:
         obs(y)
-    assert mode.ops == []
+    assert mode.order == []
 
 
 def test_nvfp4_global_amax_from_the_kept_ends():
