@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from state_checks import assert_same_buffers
 
 from quantscope.compat import quark
 from quantscope.stats import minmax as stats
@@ -60,12 +61,7 @@ def _raised(fn):
 
 
 def same(a, b):
-    for name, buf in a._buffers.items():
-        other = b._buffers[name]
-        assert buf.shape == other.shape and buf.dtype == other.dtype, name
-        assert torch.equal(buf, other) or bool(((buf == other) | buf.isnan() & other.isnan())
-                                                .all()), name
-        assert buf._version == other._version, name
+    assert_same_buffers(a, b)
     assert a.shape == b.shape and a._input_dtype == b._input_dtype
     assert a._num_observed_tokens == b._num_observed_tokens
     assert getattr(a, "group_count", None) == getattr(b, "group_count", None)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from state_checks import assert_same_buffers
 
 import quantscope
 from quantscope import Channel, QuantSpec, Tensor
@@ -39,22 +40,8 @@ def pair(name="percentile", spec=None, **options):
 
 
 def same_state(a, b, versions=True):
-    assert set(a._buffers) == set(b._buffers)
-    for name, buf in a._buffers.items():
-        other = b._buffers[name]
-        assert buf.shape == other.shape and buf.dtype == other.dtype, name
-        assert torch.equal(buf, other) or bool(((buf == other) | buf.isnan() & other.isnan())
-                                                .all()), name
-        if buf.is_floating_point():  # bit for bit: -0.0 is not 0.0
-            assert torch.equal(bits(buf), bits(other)), name
-        assert buf.is_inference() == other.is_inference(), name
-        if versions and not buf.is_inference():  # (an inference tensor has none)
-            assert buf._version == other._version, (name, buf._version, other._version)
+    assert_same_buffers(a, b, versions)
     assert a.shape == b.shape and a._pass[1] == b._pass[1]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def call(o, x):
