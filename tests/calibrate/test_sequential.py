@@ -180,10 +180,6 @@ def test_heap_opt_out(monkeypatch):
     monkeypatch.delenv("QUANTSCOPE_HEAP")
     glibc = platform.libc_ver()[0] == "glibc"
     assert heap.trim() is glibc and heap.prepare() is glibc
-    # fresh pages from then on: the kernels' streaming stores are off (they would cost there)
-    from quantscope import kernels
-
-    assert kernels.streaming() is not glibc
 
 
 class _Payload:

@@ -163,7 +163,7 @@ def test_the_minmax_kernels_return_zero_as_declared(threads):
         x = torch.randn(U, 4099) * 1e3
         lo, hi, ends = torch.empty(U), torch.empty(U), torch.empty(2)
         rc = lib.qs_unit_minmax(x.data_ptr(), U, x.shape[1], lo.data_ptr(), hi.data_ptr(),
-                                ends.data_ptr(), threads, 0, 0.0, None, None, 0, 0)
+                                ends.data_ptr(), threads, 0, 0.0, None, None, 0)
         ref = torch.aminmax(x, dim=1)
         assert rc == 0
         assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)

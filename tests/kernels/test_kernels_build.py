@@ -89,7 +89,7 @@ def _minmax_works():
     x = torch.randn(4, 64)
     lo, hi, ends = torch.empty(4), torch.empty(4), torch.empty(2)
     lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), hi.data_ptr(), ends.data_ptr(), 1, 0,
-                       0.0, None, None, 0, 0)
+                       0.0, None, None, 0)
     ref = torch.aminmax(x, dim=1)
     assert torch.equal(lo, ref.min) and torch.equal(hi, ref.max)
 
@@ -122,7 +122,7 @@ def test_damaged_cached_library_is_rebuilt(fresh, monkeypatch, damage):
             "warnings.simplefilter('error'); lib = kernels.lib('unit_minmax'); "
             "x = torch.randn(4, 64); lo, hi, ends = torch.empty(4), torch.empty(4), "
             "torch.empty(2); lib.qs_unit_minmax(x.data_ptr(), 4, 64, lo.data_ptr(), "
-            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0, 0); "
+            "hi.data_ptr(), ends.data_ptr(), 1, 0, 0.0, None, None, 0); "
             "ref = torch.aminmax(x, dim=1); "
             "print(torch.equal(lo, ref.min) and torch.equal(hi, ref.max))")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

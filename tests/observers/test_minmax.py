@@ -411,26 +411,37 @@ def test_kernel_on_large_inputs(E, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("E", [16, 32])
-def test_kernel_streams_large_outputs_and_equals_torch(E, threads, monkeypatch):
-    """From 2**15 rows a share, the short-row kernel writes its min / max with streaming
-    stores (csrc/unit_minmax.c, STREAM_ROWS): the same results, a NaN row and the ends too."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E", [16, 24, 100])
+def test_kernel_blocks_equal_torch(E, dtype, threads, monkeypatch):
+    """The kernel stages each share's min / max in blocks (csrc/unit_minmax.c, block_units:
+    256 float32 units, whole widening pieces of half rows): shares of several blocks and a
+    tail give torch's results, a NaN row and the ends too; a fused state update that keeps
+    no lo / hi (the cached observer step's call) updates the state as torch's ops do."""
     monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 1)
-    monkeypatch.setattr(quantscope.kernels, "_streaming", True)  # a calibration turns it off
-    U = (1 << 16) + 3  # two shares of > 2**15 rows on 2 threads, and a tail
-    u = rand(U, E, seed=E)
-    u[40_001, 3] = float("nan")
+    U = 2 * 1000 + 3  # shares of 1001 / 1002 units on 2 threads: blocks and a tail each
+    u = rand(U, E, seed=E).to(dtype)
+    u[700, 3] = float("nan")  # in the third block of 256
+    rlo, rhi = stats.torch_unit_minmax(u)
+    slo, shi = rand(U, 1, seed=1).view(U) - 3, rand(U, 1, seed=2).view(U) + 3
+    want_lo, want_hi = slo.clone(), shi.clone()
+    stats.update_state("min", 0.0, want_lo, want_hi, rlo, rhi)
+    lib = stats._kernel()
     ends = torch.empty(2)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         lo, hi = stats.unit_minmax(u, ends=ends)
+        lib.qs_unit_minmax(u.data_ptr(), U, E, None, None, ends.data_ptr(), threads,
+                           stats.UPDATES["min"], 0.0, slo.data_ptr(), shi.data_ptr(),
+                           stats.KERNEL_DTYPES[dtype])
     finally:
         torch.set_num_threads(before)
-    rlo, rhi = stats.torch_unit_minmax(u)
-    assert torch.allclose(lo, rlo, equal_nan=True, atol=0, rtol=0)
-    assert torch.allclose(hi, rhi, equal_nan=True, atol=0, rtol=0)
-    assert lo[40_001].isnan() and ends.isnan().all()
+    assert torch.equal(lo.nan_to_num(7.0), rlo.nan_to_num(7.0))
+    assert torch.equal(hi.nan_to_num(7.0), rhi.nan_to_num(7.0))
+    assert lo[700].isnan() and ends.isnan().all()
+    assert torch.equal(slo.nan_to_num(7.0), want_lo.nan_to_num(7.0))
+    assert torch.equal(shi.nan_to_num(7.0), want_hi.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("U, E", [(7, 4096), (64, 16), (3, 100)])

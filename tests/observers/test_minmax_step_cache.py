@@ -155,25 +155,25 @@ def test_an_error_leaves_inference_mode_as_the_general_path(ema):
 
 
 def test_copies_and_saved_observers_carry_no_cache():
-    """A copy gets no cache of its original's (its scratch's address is the original's
-    memory, which the copy would write into after the original is freed), nor does a saved
-    and loaded observer."""
+    """A copy gets no cache of its original's (its ends' address is the original's memory,
+    which the copy would write into after the original is freed), nor does a saved and
+    loaded observer."""
     import copy
     import io
 
     obs = StaticMinMaxObserver(QuantSpec("int8", Tensor()))
     for _ in range(2):
         obs(torch.randn(4, 64))
-    assert "_cpu_scratch" in obs.__dict__  # the cached step ran
+    assert "_cpu_plans" in obs.__dict__  # the cached step ran
     twin = copy.deepcopy(obs)
-    assert not {"_cpu_plans", "_cpu_scratch"} & set(twin.__dict__)
+    assert not {"_cpu_plans", "_cpu_ends"} & set(twin.__dict__)
     twin(torch.full((4, 64), 9.0))
     assert twin.max_vals.item() == 9.0 and obs.max_vals.item() < 9.0
     buf = io.BytesIO()
     torch.save(obs, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert not {"_cpu_plans", "_cpu_scratch"} & set(loaded.__dict__)
+    assert not {"_cpu_plans", "_cpu_ends"} & set(loaded.__dict__)
     assert torch.equal(loaded.max_vals, obs.max_vals)
 
 

@@ -110,13 +110,13 @@ def test_negative_view_input_is_read_by_its_values(layout):
 
 
 def test_reset_then_another_unit_count():
-    """After reset() the observer may take another unit count; the cached call's scratch
-    (lo, hi and the two ends of the units) must follow it, not keep the first size."""
+    """After reset() the observer may take another unit count; the cached call must follow
+    it (the state's size, the ends of the new units), not keep the first plan's."""
     obs, twin = pair(Channel(0))
     for o in (obs, twin):
         o(g(0, 8, 32))
         o(g(1, 8, 32))
-    assert obs.__dict__["_cpu_scratch"][0] == 8
+    assert obs.__dict__["_cpu_plans"]  # the cached step ran
     for o in (obs, twin):
         o.reset()
     for i in range(2, 6):

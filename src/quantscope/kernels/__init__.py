@@ -58,7 +58,7 @@ from .cache import FLAGS, BuildError, CacheError, NoCompiler, build, cache_dir, 
 __all__ = ["BACKENDS", "CSRC", "FLAGS", "SIGNATURES", "KernelWarning", "add", "available",
            "buffer", "build_all", "cache_dir", "choose", "compiler", "contiguous", "disabled",
            "flat_f32", "lib", "load", "out_buffers", "plain", "plain_tensor", "qparams_consts",
-           "read", "real", "real_tensor", "set_streaming", "streaming", "threads", "writable",
+           "read", "real", "real_tensor", "threads", "writable",
            "write", "wrote"]
 
 #: the C sources and headers (package data)
@@ -70,7 +70,7 @@ _P, _I, _INT, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_doubl
 #: functions, all of which return ``int64``
 SIGNATURES: dict[str, dict[str, list]] = {
     "unit_minmax": {
-        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT, _INT],
+        "qs_unit_minmax": [_P, _I, _I, _P, _P, _P, _INT, _INT, _D, _P, _P, _INT],
         "qs_col_minmax": [_P, _I, _I, _I, _P, _P, _P, _INT, _INT, _I, _INT],
         "qs_actorder_minmax": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _INT, _INT],
         "qs_padded_minmax": [_P, _I, _I, _I, _P, _P, _INT, _INT],
@@ -254,23 +254,6 @@ def choose(backend: str | None, name: str, where: str, applies: bool = True,
 def build_all() -> dict[str, bool]:
     """Build (or find) every shipped library now: ``{name: usable}``."""
     return {name: lib(name) is not None for name in SIGNATURES}
-
-
-_streaming = True
-
-
-def streaming() -> bool:
-    """Whether kernels may write large outputs with streaming (non-temporal) stores, which
-    skip reading each line in before writing it. True until :func:`set_streaming` turns it
-    off: ``calibration.run.heap.prepare`` does, since it makes every large allocation fresh pages,
-    which the page fault has just zeroed in the cache (there plain stores are faster)."""
-    return _streaming
-
-
-def set_streaming(on: bool) -> None:
-    """Allow or forbid streaming stores (see :func:`streaming`)."""
-    global _streaming
-    _streaming = bool(on)
 
 
 def buffer(*shape: int, zero: bool = False) -> torch.Tensor:

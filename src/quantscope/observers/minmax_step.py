@@ -114,19 +114,10 @@ def _float32_state(t: torch.Tensor, n: int) -> bool:
             and kernels.real_tensor(t))
 
 
-def _scratch(obs, n: int):
-    """``(address, floats)``: this observer's ``2n + 2`` floats (lo, hi, the two ends)."""
-    s = obs.__dict__.get("_cpu_scratch")
-    if s is None or s[0] != n:
-        buf = (ctypes.c_float * (2 * n + 2))()
-        s = obs.__dict__["_cpu_scratch"] = (n, buf, ctypes.addressof(buf))
-    return s[2], s[1]
-
-
 def _ends(obs):
-    """``(tensor, floats)``: this observer's ``(2,)`` float32 tensor a memoryless call's pass
-    writes its ends into (the state's ends, which it keeps: :func:`state_ends`), and the
-    values of its memory. One per observer: each call's ends replace the last's."""
+    """``(tensor, floats)``: this observer's ``(2,)`` float32 tensor a call's pass writes its
+    ends into (a memoryless call's are its state's, which it keeps: :func:`state_ends`), and
+    the values of its memory. One per observer: each call's ends replace the last's."""
     e = obs.__dict__.get("_cpu_ends")
     if e is None:
         t = torch.empty(2, dtype=torch.float32)
@@ -161,19 +152,18 @@ def _takes_call(obs, x, takes) -> int | None:
 
 def _pass(obs, lib, x, plan, kind: int, slo: torch.Tensor, shi: torch.Tensor):
     """The C pass of ``x`` under ``plan`` into the state ``slo`` / ``shi``: fused into an
-    accumulating update (``kind``, lo / hi in scratch) or, ``kind`` 0, the min / max written
-    into them (the memoryless state); the two ends it found (floats)."""
+    accumulating update (``kind``; the batch's min / max are not kept) or, ``kind`` 0, the
+    min / max written into them (the memoryless state); the two ends it found (floats)."""
     U, E, code = plan
+    ends, floats = _ends(obs)
     if kind:
-        addr, floats = _scratch(obs, U)
         # (the running min / max reads no constant: no nn.Module.__getattr__ miss for it)
         c = 0.0 if kind == UPDATES["min"] else float(getattr(obs, "averaging_constant", 0.0))
-        _stats.kernel_pass(lib, x.data_ptr(), U, E, addr, addr + 4 * U, addr + 8 * U, kind, c,
+        _stats.kernel_pass(lib, x.data_ptr(), U, E, None, None, ends.data_ptr(), kind, c,
                            slo.data_ptr(), shi.data_ptr(), code)
-        return floats[2 * U], floats[2 * U + 1]
-    ends, floats = _ends(obs)
-    _stats.kernel_pass(lib, x.data_ptr(), U, E, slo.data_ptr(), shi.data_ptr(),
-                       ends.data_ptr(), 0, 0.0, None, None, code)
+    else:
+        _stats.kernel_pass(lib, x.data_ptr(), U, E, slo.data_ptr(), shi.data_ptr(),
+                           ends.data_ptr(), 0, 0.0, None, None, code)
     return floats[0], floats[1]
 
 

@@ -15,10 +15,10 @@ __all__ = ["CACHES", "MAX_PLANS", "begin", "cached_plan", "leave_inference_mode"
 
 #: plans kept per observer (keys seen); past it the cache starts over
 MAX_PLANS = 16
-#: the observer attributes the cached steps cache in: minmax_step's plans, scratch and ends,
-#: then hist_step's, then first_step's; never copied or pickled
-CACHES = ("_cpu_plans", "_cpu_scratch", "_cpu_ends", "_hist_plans", "_hist_scratch",
-          "_first_plans", "_first_scratch")
+#: the observer attributes the cached steps cache in: minmax_step's plans and ends, then
+#: hist_step's plans and scratch, then first_step's; never copied or pickled
+CACHES = ("_cpu_plans", "_cpu_ends", "_hist_plans", "_hist_scratch", "_first_plans",
+          "_first_scratch")
 
 
 def cached_plan(obs, x, attr: str, make):

@@ -29,7 +29,6 @@ from .. import kernels
 from .._checks import check_number
 from .._oplib import define
 from ..kernels import ops
-from ..kernels import streaming as _streaming
 from ..kernels import triton as _triton
 
 __all__ = ["KERNEL_DTYPES", "MINMAX_DTYPES", "any_non_finite", "ema_", "extreme_ends",
@@ -293,7 +292,7 @@ def kernel_pass(lib, x: int, U: int, E: int, lo: int, hi: int, ends: int, mode: 
     """The C min / max pass over ``U`` rows of ``E`` at address ``x`` (:func:`unit_minmax`'s, the
     cached observer step's): one thread rule (one unit: its elements split over them)."""
     lib.qs_unit_minmax(x, U, E, lo, hi, ends, _threads(U * E, U if U > 1 else E), mode, c,
-                       state_lo, state_hi, int(_streaming()), code)
+                       state_lo, state_hi, code)
 
 
 def op_units(x: torch.Tensor, layout) -> torch.Tensor | None:

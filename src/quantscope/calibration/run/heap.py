@@ -9,9 +9,7 @@ counted in the resident set and in the process's data size (which ``RLIMIT_DATA`
 - :func:`prepare` (called when calibration starts) fixes ``M_MMAP_THRESHOLD`` at 1 MiB:
   every tensor of a MiB or more is mmapped and unmapped when freed. This is a setting of
   the whole process and stays after calibration (glibc cannot go back to the dynamic
-  threshold); it is what ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment does. It also
-  turns the kernels' streaming stores off (:func:`quantscope.kernels.streaming`): they avoid
-  reading a reused output line in, but a fresh page was just zeroed in the cache.
+  threshold); it is what ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment does.
 - :func:`trim` (after each calibration batch of a model on the CPU, :func:`runs_on_host`,
   and each sequential block) runs ``malloc_trim(0)``: free pages inside the heap go back to
   the system. It changes no setting; it walks the whole heap (about 10 ms on a fragmented
@@ -25,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from ... import kernels
 from ..._checks import env_flag
 
 __all__ = ["MMAP_THRESHOLD", "prepare", "runs_on_host", "trim"]
@@ -65,8 +62,6 @@ def prepare() -> bool:
         return False
     if not _prepared:
         _prepared = bool(lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-        if _prepared:  # large outputs are fresh pages from now on: plain stores are faster
-            kernels.set_streaming(False)
     return _prepared
 
 

@@ -160,22 +160,12 @@ static inline __attribute__((always_inline)) void fold(const float *r, const int
     *l = lk; *h = hk; *any = _mm256_or_ps(*any, n);
 }
 
-/* From this many rows of a share, rows4 writes its min / max with streaming stores when the
-   caller allows it: such outputs (4 MB each for NVFP4 blocks of a 4096 x 4096 weight) leave
-   the cache before anyone reads them, and a plain store first reads each line in (NVFP4
-   qparams of that weight 12-20 % faster). Not into fresh pages, which the fault just zeroed in
-   the cache: there plain stores win (6-12 %), so quantscope.kernels.streaming() says which. */
-#define STREAM_ROWS ((int64_t)1 << 15)
-
 /* Short rows (E a multiple of 8, up to 64: MX / NVFP4 / BFP blocks, small groups), 4 rows
    at a time: each row folds to one vector, then the 4 reduce together by shuffles. NaN is
    one mask per 4 rows; the rare 4 rows that hold one are done again by row(). The share's
    ends are kept in vectors. Returns the first row not done. */
 static inline __attribute__((always_inline)) int64_t
-rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *hi, ends_t *e,
-      const int streaming) {
-    const int stream = streaming && u1 - u >= STREAM_ROWS && ((uintptr_t)(lo + u) & 15) == 0
-                       && ((uintptr_t)(hi + u) & 15) == 0; /* stays aligned: u moves by 4 */
+rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *hi, ends_t *e) {
     __m128 el = _mm_set1_ps(INFINITY), eh = _mm_set1_ps(-INFINITY);
     for (; u + 4 <= u1; u += 4) {
         const float *r = x + u * E;
@@ -191,17 +181,11 @@ rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *
             for (int k = 0; k < 4; ++k) row(r + k * E, E, lo + u + k, hi + u + k, e);
             continue;
         }
-        if (stream) {
-            _mm_stream_ps(lo + u, L);
-            _mm_stream_ps(hi + u, H);
-        } else {
-            _mm_storeu_ps(lo + u, L);
-            _mm_storeu_ps(hi + u, H);
-        }
+        _mm_storeu_ps(lo + u, L);
+        _mm_storeu_ps(hi + u, H);
         el = _mm_min_ps(el, L);
         eh = _mm_max_ps(eh, H);
     }
-    if (stream) _mm_sfence(); /* the streamed lines reach memory before anyone reads them */
     float t[4], s[4];
     _mm_storeu_ps(t, el);
     _mm_storeu_ps(s, eh);
@@ -213,13 +197,12 @@ rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *
 /* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix, NaN propagated, and
    the share's ends. */
 static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi,
-                 ends_t *e, int streaming) {
-    (void)streaming; /* the AVX2 short-row path only */
+                 ends_t *e) {
 #ifdef __AVX2__
     /* E as a constant where it is common: the folds unroll */
-    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e, streaming);
-    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e, streaming);
-    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e, streaming);
+    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e);
+    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e);
+    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e);
 #endif
     for (int64_t u = u0; u < u1; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
 }
@@ -227,19 +210,19 @@ static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, f
 /* rows() of a [U, E] matrix of any element type: bf16 / fp16 rows are widened a piece at
    a time (whole rows where they fit in one, else each row piece by piece). */
 static void rows_of(const void *x, int dt, int64_t E, int64_t u0, int64_t u1, float *lo,
-                    float *hi, ends_t *e, int streaming) {
+                    float *hi, ends_t *e) {
     if (dt == QS_F32) {
-        rows((const float *)x, E, u0, u1, lo, hi, e, streaming);
+        rows((const float *)x, E, u0, u1, lo, hi, e);
         return;
     }
     const uint16_t *h = (const uint16_t *)x;
-    float buf[PIECE];
+    float buf[PIECE] __attribute__((aligned(64)));  /* no 32-byte access splits a line */
     if (E <= PIECE) {
         const int64_t k = PIECE / E;
         for (int64_t u = u0; u < u1; u += k) {
             const int64_t n = u1 - u < k ? u1 - u : k;
             widen(h + u * E, dt, n * E, buf);
-            rows(buf, E, 0, n, lo + u, hi + u, e, 0);
+            rows(buf, E, 0, n, lo + u, hi + u, e);
         }
         return;
     }
@@ -306,7 +289,7 @@ static void slab(const void *x, int dt, int64_t R, int64_t C, int64_t S, int64_t
                  int64_t k1, acc_t a) {
     const int64_t r0 = R * k0 / S, r1 = R * k1 / S;
     const uint16_t *h = (const uint16_t *)x;
-    float buf[PIECE];
+    float buf[PIECE] __attribute__((aligned(64)));
     for (int64_t c = 0; c < C; ++c) { a.lo[c] = INFINITY; a.hi[c] = -INFINITY; a.nan[c] = 0; }
     if (dt == QS_F32) {
         cols((const float *)x, C, r0, r1, a.lo, a.hi, a.nan);
@@ -635,7 +618,7 @@ int64_t qs_col_minmax(const void *x, int64_t runs, int64_t R, int64_t C, float *
 
 typedef struct {
     const void *x; int dt; int64_t E, u0, u1; float *lo, *hi; float ends[2];
-    int mode; float c, omc; float *slo, *shi; int streaming;
+    int mode; float c, omc; float *slo, *shi;
 } job_t;
 
 /* The state updates of the accumulating min-max observers, fused into the same pass, each
@@ -668,20 +651,39 @@ static void update(int mode, float *slo, float *shi, const float *lo,
     }
 }
 
-/* Units per block of a fused state update: the block's min / max are still in the cache
-   when the update reads them (after the whole share, 1 M NVFP4 units' came back from memory:
-   the update doubled the pass). */
-#define UPDATE_ROWS ((int64_t)1 << 12)
+/* Float32 units per block of a share: their min / max are staged in L1 for lo / hi and the
+   state update. Stored from the pass itself, among its reads, short rows' outputs cost more
+   than the reads (NVFP4 blocks of 16 of a 4096 x 4096 float32 weight: the memoryless pass
+   1.3-1.4x its reads with streaming stores, 1.6x plain; a state update in blocks of 4096
+   units 1.7x; staged in blocks of 256: 1.0-1.1x). */
+#define BLOCK_UNITS 256
+
+/* Units per block: a multiple of rows4()'s quads and of rows_of()'s pieces of half rows, so
+   that a share's units meet the same lanes block by block as in one call (bit for bit, the
+   sign of a zero that ties included: the padded and act-order paths count on it). */
+static int64_t block_units(int dt, int64_t E) {
+    if (dt == QS_F32 || E > PIECE) return BLOCK_UNITS;
+    const int64_t k = PIECE / E;
+    return k < BLOCK_UNITS ? BLOCK_UNITS / k * k : k;
+}
 
 static void *run(void *p) {
     job_t *j = (job_t *)p;
     ends_t e = {INFINITY, -INFINITY, 0};
-    if (!j->mode)
-        rows_of(j->x, j->dt, j->E, j->u0, j->u1, j->lo, j->hi, &e, j->streaming);
-    for (int64_t b = j->u0; j->mode && b < j->u1; b += UPDATE_ROWS) {
-        const int64_t b1 = j->u1 - b < UPDATE_ROWS ? j->u1 : b + UPDATE_ROWS;
-        rows_of(j->x, j->dt, j->E, b, b1, j->lo, j->hi, &e, 0);  /* read next: no streaming */
-        update(j->mode, j->slo + b, j->shi + b, j->lo + b, j->hi + b, b1 - b, j->c, j->omc);
+    /* (a block of half rows holds up to PIECE units) */
+    float blo[PIECE] __attribute__((aligned(64))), bhi[PIECE] __attribute__((aligned(64)));
+    const int64_t row_bytes = j->E * (j->dt == QS_F32 ? 4 : 2), step = block_units(j->dt, j->E);
+    /* half rows are staged by rows_of()'s widening already: their lo / hi go straight out */
+    const int direct = j->lo && !j->mode && j->dt != QS_F32;
+    for (int64_t b = j->u0; b < j->u1; b += step) {
+        const int64_t n = j->u1 - b < step ? j->u1 - b : step;
+        float *lo = direct ? j->lo + b : blo, *hi = direct ? j->hi + b : bhi;
+        rows_of((const char *)j->x + b * row_bytes, j->dt, j->E, 0, n, lo, hi, &e);
+        if (j->mode) update(j->mode, j->slo + b, j->shi + b, lo, hi, n, j->c, j->omc);
+        if (j->lo && !direct) {  /* NULL: a state update's, which no one reads */
+            memcpy(j->lo + b, lo, (size_t)n * sizeof *lo);
+            memcpy(j->hi + b, hi, (size_t)n * sizeof *hi);
+        }
     }
     /* the smallest min and largest max of this share, NaN kept (the non-finite check) */
     j->ends[0] = e.nan ? NAN : e.lo;
@@ -695,12 +697,13 @@ static void *run(void *p) {
 static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends, int threads,
                      int mode, float c, float omc, float *slo, float *shi, int dt) {
     job_t jobs[QS_MAXT];
-    float plo[QS_MAXT], phi[QS_MAXT];
+    float plo[QS_MAXT], phi[QS_MAXT], l1, h1;
+    if (!lo) lo = &l1, hi = &h1;  /* a state update's: not kept */
     const int64_t size = dt == QS_F32 ? 4 : 2;
     for (int t = 0; t < threads; ++t) {
         const int64_t e0 = E * t / threads, e1 = E * (t + 1) / threads;
         jobs[t] = (job_t){(const char *)x + e0 * size, dt, e1 - e0, 0, 1, plo + t, phi + t,
-                          {0, 0}, 0, 0.0f, 1.0f, NULL, NULL, 0};
+                          {0, 0}, 0, 0.0f, 1.0f, NULL, NULL};
     }
     qs_run_jobs(run, jobs, sizeof jobs[0], threads);
     float l = plo[0], h = phi[0];
@@ -717,11 +720,12 @@ static void one_unit(const void *x, int64_t E, float *lo, float *hi, float *ends
     }
 }
 
-/* Per-unit min / max of [U, E] of element type dt, the ends of all units in ends[2], and
-   the state update of mode (see update()); returns 0, as qs_col_minmax. */
+/* Per-unit min / max of [U, E] of element type dt into lo / hi (NULL with a state update:
+   not kept), the ends of all units in ends[2], and the state update of mode (see update());
+   returns 0, as qs_col_minmax. */
 int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi,
                        float *ends, int threads, int mode, double c, float *slo, float *shi,
-                       int streaming, int dt) {
+                       int dt) {
     if (E < 1) return -1;  /* rows of no elements: no min / max (the caller refuses them) */
     if (threads > QS_MAXT) threads = QS_MAXT;
     if (threads < 1) threads = 1;
@@ -732,8 +736,7 @@ int64_t qs_unit_minmax(const void *x, int64_t U, int64_t E, float *lo, float *hi
     job_t jobs[QS_MAXT];
     for (int t = 0; t < threads; ++t)
         jobs[t] = (job_t){x, dt, E, U * t / threads, U * (t + 1) / threads, lo, hi, {0, 0},
-                          mode, (float)c, (float)(1.0 - c), slo, shi,
-                          streaming && !mode}; /* a state update reads lo / hi right away */
+                          mode, (float)c, (float)(1.0 - c), slo, shi};
     qs_run_jobs(run, jobs, sizeof jobs[0], threads);
     float l = jobs[0].ends[0], h = jobs[0].ends[1];
     for (int t = 1; t < threads; ++t) {
@@ -793,14 +796,13 @@ typedef struct { const padded_t *p; int64_t u0, u1; } pjob_t;
    block or crosses a row's end; bf16 / fp16 in rows_of()'s pieces) through buf as the copy
    holds it. The same lanes meet the same values: the copy's min / max bit for bit, NaN and
    the sign of a zero that ties included (which rows4() or row() takes a unit decides it).
-   Unit u is row r's block k (no division per piece: they cost as much as a quad). No
-   streaming stores: staging the results for them measured no faster. */
+   Unit u is row r's block k (no division per piece: they cost as much as a quad). */
 static void *prun(void *q) {
     const pjob_t *j = (const pjob_t *)q;
     const padded_t *p = j->p;
     const int64_t E = p->E, N = p->N;
     const int64_t piece = p->dt == QS_F32 ? (PIECE / E < 4 ? PIECE / E : 4) : PIECE / E;
-    float buf[PIECE];
+    float buf[PIECE] __attribute__((aligned(64)));
     ends_t e = {INFINITY, -INFINITY, 0};  /* (unused: the caller derives the ends) */
     int64_t r = j->u0 / N, k = j->u0 % N;
     for (int64_t u = j->u0, n; u < j->u1; u += n, k += n) {
@@ -811,12 +813,12 @@ static void *prun(void *q) {
         const int64_t full = N - 1 - k < j->u1 - u ? N - 1 - k : j->u1 - u;
         n = p->dt == QS_F32 ? full / 4 * 4 : 0;
         if (n) {
-            rows((const float *)p->x + r * p->W + k * E, E, 0, n, p->lo + u, p->hi + u, &e, 0);
+            rows((const float *)p->x + r * p->W + k * E, E, 0, n, p->lo + u, p->hi + u, &e);
             continue;
         }
         n = j->u1 - u < piece ? j->u1 - u : piece;
         padded_units(p, r, k, n, buf);
-        rows(buf, E, 0, n, p->lo + u, p->hi + u, &e, 0);
+        rows(buf, E, 0, n, p->lo + u, p->hi + u, &e);
         unpad(p, k, n, buf, p->lo + u, p->hi + u);
     }
     return NULL;
@@ -889,7 +891,7 @@ static void exact(const agroups_t *a, int64_t u0, int64_t u1, void *buf) {
     for (int64_t u = u0; u < u1; u += k) {
         const int64_t n = u1 - u < k ? u1 - u : k;
         gather(a, u, n, buf);
-        rows_of(buf, a->dt, a->E, 0, n, a->lo + u, a->hi + u, &e, 0);
+        rows_of(buf, a->dt, a->E, 0, n, a->lo + u, a->hi + u, &e);
     }
 }
 
