@@ -56,6 +56,16 @@ class MinMaxStateObserver(Observer):
     def _sized_buffers(self):
         return ("min_vals", "max_vals")
 
+    #: ``(ends, min_vals, its version, max_vals, its version)``: an instance that does not
+    #: accumulate (:class:`MemorylessMinMaxObserver`, Quark's dynamic / per-group ones) keeps
+    #: the smallest min and largest max of its state (unit_minmax finds them in its pass),
+    #: valid while both buffers are those tensors (weak references) at those in-place versions
+    _state_ends: tuple | None = None
+    #: no copy or pickle carries them (weak references do not pickle): a copy, an unpickled
+    #: or a ``torch.load``-ed observer derives its amax from the ranges; every class here,
+    #: since any instance that does not accumulate keeps them (the cached step's call too)
+    _uncopied = (*Observer._uncopied, "_state_ends", "_pending_ends")
+
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
         dev = self._buffers["min_vals"].device
@@ -159,11 +169,6 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
 
     accumulates = False
 
-    #: ``(ends, min_vals, its version, max_vals, its version)``: the smallest min and largest
-    #: max of the state (unit_minmax finds them in its pass), valid while both buffers are
-    #: those tensors (weak references) at those in-place versions
-    _state_ends: tuple | None = None
-
     def _minmax_out(self, count):
         # the new min / max go straight into the state (in place, like the other families)
         return self.min_vals, self.max_vals
@@ -186,10 +191,6 @@ class MemorylessMinMaxObserver(MinMaxStateObserver):
         if e is not None and e[0] is not None and e[1] is lo and e[2] is hi:
             ends = state_ends(e[0], lo, hi)
         self.__dict__.update(_pending_ends=None, _state_ends=ends)
-
-    def __getstate__(self):
-        # weak references do not pickle; a copy or an unpickled observer derives its amax
-        return {**super().__getstate__(), "_state_ends": None, "_pending_ends": None}
 
     def global_amax(self):
         """NVFP4's whole-tensor amax from the ends the min / max pass found (no second read
