@@ -121,3 +121,45 @@ def test_group_count_follows_every_call():
         o.group_count = 7
         o(g(2, 8, 64))
     assert obs.group_count == twin.group_count == 2
+
+
+def test_a_subclass_check_input_is_not_vouched_for_by_its_parent():
+    """A subclass of PerGroupMinMaxObserver overriding ``check_input`` with a test on values
+    (which a plan cannot cache) inherits the parent's ``_step_overrides``, not its word for
+    the new code: every call runs the check, as on the general path (the code before ran it
+    once per input key and took a batch of 100s into max_val). A class naming a step it
+    inherits does not vouch for it either; one defining and naming it takes the cached call."""
+
+    class Bounded(quark.PerGroupMinMaxObserver):
+        def check_input(self, x):
+            if x.abs().max() > 10:
+                raise ValueError("batch out of bounds")
+            return super().check_input(x)
+
+    class Named(Bounded):  # names check_input, but Bounded defines it
+        _step_overrides = ("check_input", "set_shape")
+
+    qspec = CASES[5][1]
+    for cls in (Bounded, Named):
+        for cached in (True, False):
+            obs = cls(qspec)
+            obs.cached_cpu_step = cached
+            obs(g(0, 8, 64))
+            obs(g(1, 8, 64))
+            with pytest.raises(ValueError, match="out of bounds"):
+                obs(torch.full((8, 64), 100.0))
+            assert obs.max_val.max() < 10 and "_cpu_plans" not in obs.__dict__
+
+    class Vouched(quark.PerGroupMinMaxObserver):
+        _step_overrides = ("check_input", "set_shape")
+
+        def check_input(self, x):  # the shape alone: a plan may keep its answer
+            return super().check_input(x)
+
+    obs, twin = (Vouched(qspec) for _ in range(2))
+    twin.cached_cpu_step = False
+    for i in range(3):
+        obs(g(i, 8, 64))
+        twin(g(i, 8, 64))
+        same(obs, twin)
+    assert obs.__dict__["_cpu_plans"][1]

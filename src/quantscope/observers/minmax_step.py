@@ -40,7 +40,9 @@ _UNITS = operator.itemgetter(0)  #: a plan's unit count (its U)
 
 #: the steps of forward the cached call stands for: a class overriding any of them, or an
 #: instance given its own (a test's spy), keeps the general path (the override must run),
-#: unless the class names it in ``_step_overrides`` and it is one of :data:`PLAN_CHECKED`.
+#: unless the class defining the override (the first in the MRO to define it) names it in its
+#: own ``_step_overrides`` and it is one of :data:`PLAN_CHECKED` (a subclass overriding it
+#: again names it again: a parent's declaration vouches for the parent's code only).
 #: (A step patched onto the base class itself after a class's first call is not seen.)
 _STEPS = frozenset(("check_input", "leave_inference_mode", "_check_unit_count",
                     "_unit_minmax", "_minmax_out", "_record_non_finite", "_observe", "_update",
@@ -53,11 +55,18 @@ PLAN_CHECKED = frozenset(("check_input", "set_shape"))
 _classes: dict[type, tuple] = {}
 
 
+def _declared(cls: type, name: str) -> bool:
+    """Whether the class that defines ``cls``'s step ``name`` names it in its own
+    ``_step_overrides`` (one of :data:`PLAN_CHECKED`), not through a parent's."""
+    owner = next(c for c in cls.__mro__ if name in vars(c))
+    return name in PLAN_CHECKED and name in vars(owner).get("_step_overrides", ())
+
+
 def _runs_steps_of(cls: type, base: type) -> bool:
-    """Whether ``cls`` runs ``base``'s steps (or overrides it declares: :data:`PLAN_CHECKED`)."""
-    own = PLAN_CHECKED & frozenset(getattr(cls, "_step_overrides", ()))
+    """Whether ``cls`` runs ``base``'s steps (or overrides their definers declare:
+    :func:`_declared`)."""
     return issubclass(cls, base) and all(
-        getattr(cls, n) is getattr(base, n) or n in own for n in _STEPS)
+        getattr(cls, n) is getattr(base, n) or _declared(cls, n) for n in _STEPS)
 
 
 def _takes_class(cls: type, base: type, memoryless: type) -> tuple:
