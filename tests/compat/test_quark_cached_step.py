@@ -111,6 +111,31 @@ def test_shapes_errors_and_resets(name, qspec):
             same(obs, twin)
 
 
+@pytest.mark.parametrize(("name", "qspec"), CASES, ids=IDS)
+def test_inference_mode_then_out_of_it(name, qspec):
+    """Calls inside ``torch.inference_mode()``, then outside (``calibrate`` observes inside),
+    then a state loaded in: the same buffers and in-place versions as the general path's. A
+    dynamic / per-group one's general path writes its scratch pair, which becomes the state
+    (the clone leaving inference mode made is dropped): the code before wrote the clone on the
+    cached call, one version ahead."""
+    obs, twin = twins(name, qspec)
+    for o in (obs, twin):
+        with torch.inference_mode():
+            o(g(0, 8, 64))
+            o(g(1, 8, 64))
+    same(obs, twin)
+    for i in (2, 3, 4):
+        for o in (obs, twin):
+            o(g(i, 8, 64))
+        same(obs, twin)
+    for o in (obs, twin):
+        o.min_vals = o.min_vals.clone()  # a state replaced (as a load may)
+        o.max_vals = o.max_vals.clone()
+        o(g(5, 8, 64))
+        o(g(6, 8, 64))
+    same(obs, twin)
+
+
 def test_group_count_follows_every_call():
     """Quark's forward sets group_count on every call: so does the cached call (the class's
     own set_shape), an assigned value included."""

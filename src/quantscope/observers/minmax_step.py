@@ -9,11 +9,12 @@ so :func:`cpu_step` makes them once per such key (:func:`_plan`, which also runs
 general path's, in its state) and each later call with that key only tests what can change
 between calls (the context, the state's tensors, the settings), then runs the same C pass
 the general path makes: an accumulating observer's fused state update, a memoryless one's
-(an instance that does not accumulate: Quark's dynamic and per-group ones too) min / max
-written into its state in place, with the ends it keeps for the global amax. The same state,
-bit for bit, the same versions bumped, the same flag and count. Anything else, or a test
-failing, returns False: the general path runs (and raises whatever it raises). The plan
-cache is :mod:`.step_cache`'s.
+(an instance that does not accumulate: Quark's dynamic and per-group ones too, whose state is
+the scratch pair their general path writes and makes the state: :func:`_scratch_state`)
+min / max written into its state in place, with the ends it keeps for the global amax. The
+same state, bit for bit, the same versions bumped, the same flag and count. Anything else,
+or a test failing, returns False: the general path runs (and raises whatever it raises). The
+plan cache is :mod:`.step_cache`'s.
 """
 
 from __future__ import annotations
@@ -70,16 +71,33 @@ def _runs_steps_of(cls: type, base: type) -> bool:
 
 
 def _takes_class(cls: type, base: type, memoryless: type) -> tuple:
-    """``(accumulating, memoryless, set_shape each call)``: whether ``cls`` runs the min-max
-    ``base``'s steps, fusing an accumulating update (its instances that accumulate), and
-    whether an instance that does not accumulate keeps the last call's min / max as
-    ``memoryless`` (the class, or ``base``'s steps, whose ``_observe`` runs its)."""
+    """``(accumulating, memoryless, set_shape each call, from scratch)``: whether ``cls`` runs
+    the min-max ``base``'s steps, fusing an accumulating update (its instances that
+    accumulate), and whether an instance that does not accumulate keeps the last call's
+    min / max as ``memoryless`` (the class, or ``base``'s steps, whose ``_observe`` runs its:
+    then, from scratch, the state is the ``_minmax_out`` scratch pair :func:`_scratch_state`
+    keeps)."""
     if cls.needs_units:
-        return False, False, False
+        return False, False, False, False
     runs_base = _runs_steps_of(cls, base)
     accumulating = runs_base and cls.state_update in UPDATES and bool(cls.accumulates)
     keeps_last = runs_base or _runs_steps_of(cls, memoryless)
-    return accumulating, keeps_last, cls.set_shape is not base.set_shape
+    return accumulating, keeps_last, cls.set_shape is not base.set_shape, runs_base
+
+
+def _scratch_state(obs, bufs, slo: torch.Tensor, shi: torch.Tensor, n: int) -> tuple:
+    """The pair a memoryless call writes where the class runs the base's steps (Quark's
+    dynamic and per-group ones): the general path writes its ``_minmax_out`` scratch pair and
+    ``_observe`` makes it the state. So the state ``slo`` / ``shi`` once it is that pair
+    (each call after the first, as a rule); else (a buffer replaced since: inference mode
+    left, which cloned it; a load) the pair the state then takes, the same tensors and
+    in-place versions as there."""
+    s = obs.__dict__.get("_scratch")
+    if s is not None and s[0] is slo and s[1] is shi:
+        return slo, shi
+    slo, shi = obs._minmax_out(n)
+    bufs["min_vals"], bufs["max_vals"] = slo, shi
+    return slo, shi
 
 
 def _row_view(layout, shape) -> bool:
@@ -199,6 +217,8 @@ def cpu_step(obs, x, base: type, memoryless: type) -> bool:
     slo, shi, tokens = bufs["min_vals"], bufs["max_vals"], bufs["observed_tokens"]
     if not (_float32_state(slo, plan[0]) and _float32_state(shi, plan[0])):
         return False  # a first call sizes the state
+    if not kind and takes[3]:
+        slo, shi = _scratch_state(obs, bufs, slo, shi, plan[0])
     ends = _pass(obs, lib, x, plan, kind, slo, shi)
     increment_version((slo, shi))  # written by the C, as the general path bumps them
     if not (math.isfinite(ends[0]) and math.isfinite(ends[1])):
