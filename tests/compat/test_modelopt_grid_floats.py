@@ -174,3 +174,35 @@ def test_bin_count_past_float32_fails_as_modelopts(first, huge):
     for p in (60.0, 90.0, 99.0):  # (no whole count: the documented cdf difference)
         assert torch.equal(ours.compute_amax("percentile", percentile=p),
                            theirs.compute_amax("percentile", percentile=p)), p
+
+
+@pytest.mark.parametrize("how", ["collect", "forward"])
+@pytest.mark.parametrize("first", [[1e-44, 0.0], [1.4e-45]])
+def test_a_first_grid_of_width_zero_moves_as_an_all_zero_one(first, how):
+    """A first batch so small that its width ``max |x| / num_bins`` rounds to 0 in float32
+    (below ``num_bins * 2 ** -150``: 1.1e-44 at 16 bins) holds no later data, as a first
+    batch of only zeros: the next batch past it moves the calibrator to quantscope's grid,
+    the zeros case's state. ModelOpt 0.47 raises its OverflowError there, on every later
+    batch past the grid (the module's documented difference; the peers test below)."""
+    assert _f32(torch.linspace(0, first[0], 17)[1].item()) == 0.0
+    tiny, zeros = HistogramCalibrator(num_bins=16), HistogramCalibrator(num_bins=16)
+    for x in (first, [1.0, 0.5], [0.25]):
+        for cal, batch in ((tiny, x), (zeros, [0.0] * len(x) if x is first else x)):
+            (cal.collect if how == "collect" else cal)(torch.tensor(batch))
+    assert not tiny._linear and not zeros._linear
+    assert torch.equal(tiny._calib_hist, zeros._calib_hist)
+    assert torch.equal(tiny._calib_bin_edges, zeros._calib_bin_edges)
+    assert tiny.compute_amax("percentile", percentile=99.0) == 1.0
+
+
+@pytest.mark.peers
+def test_a_first_grid_of_width_zero_is_modelopts_overflow():
+    """The difference pinned: ModelOpt 0.47 refuses the batch after a width-0 first grid
+    with its ``int(inf)`` OverflowError and keeps its first histogram (quantscope moves)."""
+    calib = pytest.importorskip("modelopt.torch.quantization.calib")
+    theirs = calib.HistogramCalibrator(num_bins=16)
+    theirs.collect(torch.tensor([1e-44, 0.0]))
+    for x in ([1.0, 0.5], [0.25]):
+        with pytest.raises(OverflowError, match="cannot convert float infinity to integer"):
+            theirs.collect(torch.tensor(x))
+    assert float(theirs._calib_hist.sum()) == 2.0

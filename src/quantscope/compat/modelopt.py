@@ -106,10 +106,13 @@ float32 arrays (numpy has no bf16: ModelOpt fails). An axis out of range is a
 ``ValueError`` (ModelOpt reduces every axis), and so is an empty batch at
 ``MaxCalibrator.collect`` (ModelOpt's torch ``RuntimeError`` / ``IndexError``; it keeps an
 empty amax for a ``(0, n)`` batch with ``axis=0``). ``reset()`` restores ``num_bins`` (ModelOpt
-keeps the grown count for the next first batch). A first histogram of only zeros, later
-grown, and one growing past ``GROW_LIMIT x num_bins`` (a count within float32's range),
+keeps the grown count for the next first batch). A first histogram of only zeros, or of a
+max ``|x|`` so small that its bin width rounds to 0 in float32 (below ``num_bins * 2 **
+-150``: 1.4e-42 at the default 2048 bins; a grid of width 0 holds no later data either),
+later grown, and one growing past ``GROW_LIMIT x num_bins`` (a count within float32's range),
 move once to quantscope's power-of-two grid of ``num_bins`` bins, approximately (ModelOpt:
-``OverflowError``; appends on, or fails to allocate them); ``_calib_hist`` /
+``OverflowError`` on every later batch past its grid, keeping its first histogram; appends
+on, or fails to allocate them); ``_calib_hist`` /
 ``_calib_bin_edges`` then read that grid, and the mse method's candidates stop at its top
 occupied bin, as ModelOpt's grid ends at the data's max. ``num_bins`` is at least 2
 (ModelOpt: any; that grid needs two bins).
