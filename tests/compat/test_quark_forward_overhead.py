@@ -54,6 +54,19 @@ def test_token_count_of_inference_tensor():
     assert quark_token_count(x) == _quarks(x)
 
 
+@pytest.mark.parametrize("shape", [(5, 0), (0, 5), (2, 0, 4), (3, 4, 0), (5,), ()], ids=str)
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
+def test_token_count_outside_forwards_shapes(shape, kernel, monkeypatch):
+    """Shapes forward does not count (it counts 2-D+ batches, not empty) get Quark's
+    expression all the same: an empty last axis 0 rows (the kernel's division by it raised
+    ZeroDivisionError), a 0-dim tensor one row (IndexError on its last axis), as numpy's
+    count gives them without the kernel."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "lib", lambda name: None)
+    for x in (torch.ones(shape), torch.zeros(shape)):
+        assert int(quark_token_count(x)) == _quarks(x)
+
+
 def test_token_count_with_denormals_flushed():
     x = _rows((8, 64), torch.float32)
     torch.set_flush_denormal(True)

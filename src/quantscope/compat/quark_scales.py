@@ -123,16 +123,21 @@ def quark_float_scale(amax: torch.Tensor, quant_max: float, scale_format: str, *
 
 
 def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
-    """Quark's token count of ``x`` (2-D+, not empty), as :func:`_quark_token_count`: a
-    Python int where the C kernel reads a contiguous CPU float32 / bf16 / fp16 / float64 batch
-    (``qs_nonzero_rows``: each row up to its first value that is not zero, a few ns on most
-    rows) or numpy another CPU float32 / float64 / float16 one (no tensor op, no tensor to add
-    the count with), else that function's 0-dim tensor (no host sync; traced by torch.compile /
-    torch.export, which trace neither: ``kernels.lib`` is None there)."""
-    code = _KERNEL_CODES.get(x.dtype)
+    """Quark's token count of ``x`` (its forward counts 2-D+ batches, not empty), as
+    :func:`_quark_token_count`: a Python int where the C kernel reads a contiguous CPU float32
+    / bf16 / fp16 / float64 batch (``qs_nonzero_rows``: each row up to its first value that is
+    not zero, a few ns on most rows) or numpy another CPU float32 / float64 / float16 one (no
+    tensor op, no tensor to add the count with), else that function's 0-dim tensor (no host
+    sync; traced by torch.compile / torch.export, which trace neither: ``kernels.lib`` is None
+    there). Where the kernel would read a 0-dim ``x`` or one with an empty last axis, that
+    function counts it (0 rows of no values, a 0-dim one a row), as Quark's
+    ``(x != 0).any(-1).sum()`` and numpy's ``any(-1)`` do."""
+    code, shape = _KERNEL_CODES.get(x.dtype), x.shape
     if (code is not None and x.is_cpu and x.is_contiguous()
             and (lib := kernels.lib("unit_minmax")) is not None and kernels.real_tensor(x)):
-        return lib.qs_nonzero_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], code)
+        if shape and shape[-1]:  # (it divides by the last axis)
+            return lib.qs_nonzero_rows(x.data_ptr(), x.numel() // shape[-1], shape[-1], code)
+        return _quark_token_count(x)
     limit = _HOST_COUNT_BELOW.get(x.dtype)
     if (torch.compiler.is_compiling() or limit is None or not x.is_cpu or x.is_neg() or (
             x.numel() >= limit and (x.dtype == torch.float16 or torch.get_num_threads() > 1))
@@ -143,7 +148,7 @@ def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
 
 
 def _quark_token_count(x: torch.Tensor) -> torch.Tensor:
-    """Quark's ``record_observed_tokens`` count of ``x`` (2-D+, not empty): its rows along
+    """Quark's ``record_observed_tokens`` count of ``x`` (any shape): its rows along
     the last axis that hold a value ``!= 0`` (NaN counts, -0.0 does not), int64 0-dim; the
     same count as Quark's ``(x != 0).any(-1)``, in a fraction of its time (no copy of x)."""
     x = x.detach()
