@@ -39,7 +39,7 @@ from torch.nn.modules import module as _nn
 from .. import kernels
 from ..stats import histogram as H
 from ..stats import minmax as _stats
-from .base import tokens_of
+from .shape import tokens_of
 from .step_cache import begin, leave_inference_mode
 
 __all__ = ["calls_forward", "cpu_step"]

@@ -31,7 +31,7 @@ import torch
 from .. import kernels
 from ..stats import hist_kernel
 from ..stats.histogram import STATE_BUFFERS
-from .base import tokens_of
+from .shape import tokens_of
 from .step_cache import begin
 
 __all__ = ["MISSED", "cpu_step"]

@@ -16,10 +16,11 @@ from ..stats.minmax import (
     unit_minmax,
     update_state,
 )
-from .base import Observer, is_dtensor, only_observes, tokens_of
+from .base import Observer, is_dtensor, only_observes
 from .minmax_step import cpu_step, state_ends
 from .overflow import EMA_OVERFLOW
 from .registry import register
+from .shape import tokens_of
 
 __all__ = [
     "MemorylessMinMaxObserver",

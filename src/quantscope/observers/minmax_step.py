@@ -32,7 +32,7 @@ from ..layout import Block, Channel, Group, Token
 from ..layout import Tensor as TensorLayout
 from ..stats import minmax as _stats  # (its module: tests swap its _kernel, _kernel_reads)
 from ..stats.minmax import KERNEL_DTYPES, UPDATES
-from .base import tokens_of
+from .shape import tokens_of
 from .step_cache import begin
 
 __all__ = ["PLAN_CHECKED", "cpu_step", "state_ends"]
