@@ -1,7 +1,7 @@
 """compat.quark's forward adds no tensor op to the native observer's on a small CPU batch (the
-token count is read by numpy, Quark's ``(x != 0).any(-1)`` row for row; the min / max by the
-native's cached C call, no op either) and takes no state key on a repeated shape. No Quark
-needed (dict qspecs)."""
+token count is read by the C kernel, ``qs_nonzero_rows``, or without it by numpy, Quark's
+``(x != 0).any(-1)`` row for row; the min / max by the native's cached C call, no op either)
+and takes no state key on a repeated shape. No Quark needed (dict qspecs)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,14 @@ def _quarks(x: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(8, 64), (6, 3, 40), (64, 256), (300, 512)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_token_count_is_quarks(shape, dtype, threads):
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
+def test_token_count_is_quarks(shape, dtype, threads, kernel, monkeypatch):
+    """Quark's count by each path: the C kernel where it loads, numpy or torch without it
+    (``no-kernel``: the library hidden, so the numpy / torch split is tested here too)."""
+    if not kernel:
+        lib = kernels.lib
+        monkeypatch.setattr(kernels, "lib", lambda name: None if name == "unit_minmax"
+                            else lib(name))
     x, before = _rows(shape, dtype), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -32,8 +39,8 @@ def test_token_count_is_quarks(shape, dtype, threads):
         torch.set_num_threads(before)
     assert int(got) == _quarks(x)
     # the C kernel reads every contiguous one; without it numpy the smaller ones
-    host = kernels.available("unit_minmax") or x.numel() < _HOST_COUNT_BELOW.get(dtype, 0) or (
-        threads == 1 and dtype in (torch.float32, torch.float64))
+    host = (kernel and kernels.available("unit_minmax")) or x.numel() < _HOST_COUNT_BELOW.get(
+        dtype, 0) or (threads == 1 and dtype in (torch.float32, torch.float64))
     assert isinstance(got, int) == host  # else a 0-dim int64 tensor (no host sync off the CPU)
 
 
@@ -77,12 +84,11 @@ def test_token_count_with_denormals_flushed():
     assert got == want
 
 
-
-
 def _ops_of(obs, x) -> list:
     with OpNames() as mode:
         obs(x)
-    # (x.numpy() detaches its view first: no kernel, no memory read)
+    # (numpy's count, where the kernel does not load: x.numpy() detaches its view first, no
+    # kernel, no memory read)
     return [op for op in mode.order if op != "aten.detach.default"]
 
 
@@ -98,7 +104,7 @@ CASES = [("PerTensorMinMaxObserver", {"dtype": "int8"}),
 def test_forward_adds_no_op_to_the_natives(name, qspec):
     """Quark's accumulating and dynamic / per-group / MX observers take the native's cached
     CPU call (observers/minmax_step.py): one C pass, no tensor op, as the native class of the
-    same spec; the token count is numpy's."""
+    same spec; the token count is the C kernel's (no op either)."""
     obs = getattr(quark, name)(qspec)
     native = (StaticMinMaxObserver if obs.accumulates else MemorylessMinMaxObserver)(obs.spec)
     x = _rows((8, 64), torch.float32).nan_to_num()

@@ -29,8 +29,6 @@ OTHERS = [("PerTensorMinMaxObserver", {"dtype": "uint8", "symmetric": False}),
           ("PerTensorMinMaxObserver", {"dtype": "int8", "scale_type": "float16"})]
 
 
-
-
 def _observed(name, qspec, x):
     obs = getattr(quark, name)(qspec)
     obs(x)

@@ -60,8 +60,6 @@ def test_leading_dims_are_rows(dtype):
     assert quark_token_count(x) == _quarks(x)
 
 
-
-
 def test_no_tensor_op():
     x = torch.randn(64, 256)
     with OpNames() as mode:

@@ -58,8 +58,6 @@ def test_a_shape_of_other_size_is_the_reshapes_error():
         Q.qparams_from_range(lo, hi, QuantSpec("int8"), shape=(5,))
 
 
-
-
 @pytest.mark.skipif(not kernels.available("int_qparams"), reason="no compiled kernel")
 def test_the_kernel_makes_them_in_the_shape():
     """Two outputs, no view, no tensor of constants."""

@@ -90,8 +90,6 @@ def test_padded_blocks_keep_the_general_path():
     assert [key[0] for key, plan in plans.items() if plan is None] == [torch.Size((8, 70))]
 
 
-
-
 def test_memoryless_call_runs_no_tensor_op():
     """One C pass writes the state: no tensor op (the general path makes the units, the
     ends tensor and reads them back)."""
