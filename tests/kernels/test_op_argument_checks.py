@@ -130,6 +130,17 @@ def test_int_qparams_refuses_bad_consts(device, i, value, name, forbid_host_sync
             rf"consts\[{i}\] \({name}", forbid_host_sync)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flag", [0.5, 2.0, -1.0, NAN])
+def test_int_qparams_refuses_a_symmetric_flag_not_0_or_1(device, flag, forbid_host_sync):
+    """consts[3] is qparams_consts' 0.0 / 1.0: any other value (which the torch branch's
+    ``if symmetric`` and Triton's ``bool`` would take as true) is refused, not guessed."""
+    lo, hi = -torch.ones(4, device=device), torch.ones(4, device=device)
+    _raises(lambda: Q.int_qparams_op(lo, hi, _consts(3, flag)), "int_qparams",
+            r"consts must be kernels.qparams_consts' \[qmin, qmax, min_scale, symmetric",
+            forbid_host_sync)
+
+
 def test_int_qparams_takes_what_qparams_consts_gives():
     from quantscope import QuantSpec, kernels
 
