@@ -68,6 +68,18 @@ def test_the_kernel_makes_them_in_the_shape():
     assert mode.order == ["aten.empty.memory_format"] * 2 and qp.scale.shape == (3, 4)
 
 
+@pytest.mark.parametrize("spec", [MXFP4, NVFP4], ids=str)
+def test_the_block_kernel_makes_them_in_the_shape(spec):
+    """The E8M0 / fp8-block kernel (Quark's MX / block classes pass shape=) too: its outputs
+    made in the caller's shape, no view of a flat result."""
+    if kernels.lib("block_qparams") is None:
+        pytest.skip("no C kernel")
+    lo, hi = ranges(12)
+    qp = Q.qparams_from_range(lo, hi, spec, shape=(3, 4))
+    assert qp.scale.shape == qp.zero_point.shape == (3, 4)
+    assert qp.scale._base is None and qp.zero_point._base is None
+
+
 def test_constants_once_per_spec_object(monkeypatch):
     # the cache is the process's: an empty one of the test's own, so earlier tests' entries
     # do not move where it starts over (and this test leaves the process's as it was)
