@@ -14,6 +14,7 @@ from op_names import OpNames
 from quantscope import Channel, Group, QuantSpec, kernels
 from quantscope import qparams as Q
 from quantscope.observers import StaticMinMaxObserver
+from quantscope.observers.minmax import PlaceholderObserver
 from quantscope.presets import MXFP4, NVFP4
 
 SPECS = [QuantSpec("int8"), QuantSpec("uint4", symmetric=False), QuantSpec("fp8_e4m3"),
@@ -104,3 +105,13 @@ def test_observer_range_and_qparams_shape(layout):
     lo2, hi2, flat = obs.range_and_qparams((-1,))
     assert lo2 is lo and hi2 is hi and qp.scale.shape == layout.qparam_shape((8, 64))
     same(flat, qp.reshape(-1))
+
+
+def test_placeholder_range_and_qparams_shape():
+    """PlaceholderObserver's fixed qparams honour the base class's ``shape`` too."""
+    obs = PlaceholderObserver(QuantSpec("int8", Channel(0)))
+    obs(torch.randn(8, 64))
+    _, _, qp = obs.range_and_qparams()
+    _, _, shaped = obs.range_and_qparams((2, 4))
+    assert shaped.scale.shape == shaped.zero_point.shape == (2, 4)
+    same(shaped, qp.reshape(2, 4))
