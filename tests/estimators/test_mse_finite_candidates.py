@@ -82,6 +82,14 @@ def test_an_end_given_twice_is_read_once(monkeypatch):
 _READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
+def test_a_view_sharing_an_ends_memory_is_an_end_of_its_own():
+    """Only the same tensor is read once: a narrower view of an end starts at its address
+    but is not it, so the wider end's overflowing candidate (3e38 * 2) is still seen."""
+    x, f = torch.tensor([1.0, 3.0e38]), torch.tensor([0.5, 2.0])
+    assert finite_candidates((x[:1],), (f,))
+    assert not finite_candidates((x[:1], x), (f,))
+
+
 @pytest.mark.parametrize(("spec", "grid", "reads"), [
     (QuantSpec("int4", "group:16"), None, 1), (QuantSpec("int8", "channel"), None, 1),
     (QuantSpec("fp4_e2m1", "block:16", scale="fp8_e4m3"), 1, 1),
