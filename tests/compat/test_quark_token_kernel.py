@@ -76,3 +76,14 @@ def test_no_tensor_op():
 def test_inputs_the_kernel_does_not_read(make):
     x = make(_placed(torch.float32, 70))
     assert int(quark_token_count(x)) == _quarks(x.float() if x.element_size() == 1 else x)
+
+
+def test_a_fake_tensor_outside_its_mode_gets_the_fake_count():
+    """A FakeTensor used after its FakeTensorMode exited (kernels.lib is not None there) has
+    no values in its memory: the kernel does not read it, torch's path gives a 0-dim count."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.randn(8, 64)
+    got = quark_token_count(fake)
+    assert isinstance(got, FakeTensor) and got.dim() == 0
