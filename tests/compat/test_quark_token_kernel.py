@@ -2,10 +2,10 @@
 ``(x != 0).any(-1).sum()`` on every row layout the kernel's pieces of 64 values cut (a value
 first found in any piece, at its edges, in a short tail), NaN, inf, -0.0 and subnormals
 (denormals flushed too: as torch's compare reads them), float32 / bf16 / fp16 / float64, and
-each input it does not read (strided, negative views, other dtypes) counted by the paths
-before it. The code before counted with numpy (float32 / float64 / small fp16) or torch:
-4-40 us a batch where the kernel takes 2-3 (8 x 64 to 256 x 1024, one thread). No Quark
-needed."""
+each input it does not read (strided, negative views, other dtypes, a FakeTensor outside its
+mode) counted by the paths before it; a row read only up to its first value. The code before
+counted with numpy (float32 / float64 / small fp16) or torch: 4-40 us a batch where the kernel
+takes 2-3 (8 x 64 to 256 x 1024, one thread). No Quark needed."""
 
 from __future__ import annotations
 
@@ -87,3 +87,35 @@ def test_a_fake_tensor_outside_its_mode_gets_the_fake_count():
         fake = torch.randn(8, 64)
     got = quark_token_count(fake)
     assert isinstance(got, FakeTensor) and got.dim() == 0
+
+
+_FIRST_PIECE_ONLY = r"""
+import ctypes, mmap, torch
+from quantscope.compat.quark_scales import quark_token_count
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    m = mmap.mmap(-1, 2 * PAGE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    x = torch.frombuffer(m, dtype=dtype)
+    x.zero_()
+    x[0] = 1.0  # the row's first piece holds a value
+    assert libc.mprotect(x.data_ptr() + PAGE, PAGE, 0) == 0  # the rest unreadable
+    print(quark_token_count(x.view(1, -1)))
+"""
+
+
+def test_a_row_is_read_up_to_its_first_value():
+    """The kernel's speed contract (a few ns on most rows): a row whose first piece of 64
+    values holds a value is not read further. Its second page is made unreadable (PROT_NONE):
+    a kernel reading on faults. In a child process, so that a fault fails only this test."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(__import__("mmap"), "PROT_READ"):
+        pytest.skip("no mmap protections here")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))  # this quantscope
+    run = subprocess.run([sys.executable, "-c", _FIRST_PIECE_ONLY], capture_output=True,
+                         text=True, timeout=120, check=False, env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["1"] * 4, run.stderr[-1500:]
