@@ -177,6 +177,25 @@ def test_copies_and_saved_observers_carry_no_cache():
     assert torch.equal(loaded.max_vals, obs.max_vals)
 
 
+def test_a_copys_cached_step_records_its_own_nan():
+    """The copy's ends are its own: a NaN batch on a deep copy of a memoryless observer whose
+    cached step ran is recorded there (a carried ends view would read the original's memory,
+    stale floats, and miss it)."""
+    import copy
+
+    from quantscope.observers import MemorylessMinMaxObserver
+
+    obs = MemorylessMinMaxObserver(QuantSpec("int8", Channel(0)))
+    for s in range(3):  # sized, then the cached step
+        obs(torch.randn(8, 64, generator=torch.Generator().manual_seed(s)))
+    twin = copy.deepcopy(obs)
+    x = torch.randn(8, 64)
+    twin(x.clone())
+    x[2, 5] = float("nan")
+    twin(x)
+    assert bool(twin.seen_non_finite) and not bool(obs.seen_non_finite)
+
+
 @pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
 def test_a_step_given_to_an_instance_runs(ema):
     """A step replaced on the instance (a test's spy) runs on every call: the cached step
