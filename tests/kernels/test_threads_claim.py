@@ -2,9 +2,8 @@
 so each job runs exactly once whoever takes it, a job's error reaches the caller, and the
 caller returns only after every job has finished (its writes seen), even after a wake-up with
 no signal; the caller works its share (it runs every job when no thread starts) and threads = n
-starts n - 1 threads. Built as a program here,
-under ThreadSanitizer where the compiler has it (a data race or a use of the freed shared
-block fails the run)."""
+starts n - 1 threads. Built as programs here, the claim test also under ThreadSanitizer where
+the compiler has it (a data race or a use of the freed shared block fails the run)."""
 
 import subprocess
 from pathlib import Path
