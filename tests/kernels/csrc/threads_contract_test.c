@@ -36,7 +36,9 @@ static int failing_create(pthread_t *t, const pthread_attr_t *a, void *(*f)(void
 #undef pthread_create
 
 typedef struct { int runs, slow, other_ran; long sum; } job_t;
-static int second_ran;
+#ifdef CONCURRENT
+static int second_ran;  /* job 1 ran (on the second thread) */
+#endif
 static void *job(void *p) {
     job_t *j = (job_t *)p;
     j->runs++;
