@@ -114,6 +114,7 @@ def test_copies_after_cpu_batches_hold_the_state(make, how):
     back = loaded(obs, how)
     # nothing of the kept ends travels (weak references to the original's tensors)
     assert back.__dict__.get("_state_ends") is None
+    assert "_scratch" not in back.__dict__  # nor the scratch pair (remade on the next call)
     same(back, obs)
     for i in (3, 4):
         x = g(i, 8, 64)

@@ -213,3 +213,34 @@ def test_cached_cpu_step_false_keeps_the_general_path():
     obs.cached_cpu_step = False
     feed(obs, twin, [g(i, 4, 64) for i in range(3)])
     assert "_cpu_plans" not in obs.__dict__  # never looked up
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_the_general_paths_fused_update_keeps_no_per_unit_pair(ema, monkeypatch):
+    """On the general path (``cached_cpu_step = False``) an accumulating observer's C pass
+    fuses its state update and, given the ends, writes no per-unit min / max (stats'
+    ``unit_minmax`` returns None for them): the state equals the torch path's (the kernel
+    hidden), NaN recorded alike, and the first call's scratch pair is not written again."""
+    spec = QuantSpec("int8", Channel(0))
+    xs = [g(i, 300, 40, scale=1 + i) for i in range(3)] + [g(9, 300, 40)]
+    xs[-1][5, 7] = float("nan")
+    obs, ref = pair(Channel(0), ema)[0], pair(Channel(0), ema)[0]
+    assert obs.spec == spec
+    obs.cached_cpu_step = ref.cached_cpu_step = False
+    obs(xs[0])
+    scratch = obs._scratch  # the first call's (the state is sized from it)
+    versions = [t._version for t in scratch]
+    for x in xs[1:]:
+        obs(x)
+    with monkeypatch.context() as m:
+        m.setattr(stats, "_kernel", lambda: None)
+        for x in xs:
+            ref(x)
+    for name in ("min_vals", "max_vals"):  # (NaN's sign bit aside: C's and torch's differ)
+        assert torch.equal(getattr(obs, name).nan_to_num(7.0), getattr(ref, name).nan_to_num(7.0))
+    assert bool(obs.seen_non_finite) and bool(ref.seen_non_finite)
+    assert [t._version for t in scratch] == versions
+    units = xs[0].reshape(300, 40)
+    lo, hi = stats.unit_minmax(units, None, torch.empty(2),
+                               ("min", 0.0, obs.min_vals.clone(), obs.max_vals.clone()))
+    assert lo is None and hi is None

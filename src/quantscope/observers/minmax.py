@@ -64,8 +64,10 @@ class MinMaxStateObserver(Observer):
     _state_ends: tuple | None = None
     #: no copy or pickle carries them (weak references do not pickle): a copy, an unpickled
     #: or a ``torch.load``-ed observer derives its amax from the ranges; every class here,
-    #: since any instance that does not accumulate keeps them (the cached step's call too)
-    _uncopied = (*Observer._uncopied, "_state_ends", "_pending_ends")
+    #: since any instance that does not accumulate keeps them (the cached step's call too);
+    #: nor the scratch pair (:meth:`_minmax_out`, remade on the next call: a saved static
+    #: NVFP4 observer would double its size with it)
+    _uncopied = (*Observer._uncopied, "_state_ends", "_pending_ends", "_scratch")
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
@@ -104,7 +106,9 @@ class MinMaxStateObserver(Observer):
         # _observe: the state is already updated (a plain bool, set per call: without
         # nn.Module.__setattr__'s checks for parameters, buffers and modules)
         object.__setattr__(self, "_fused", True)
-        return unit_minmax(units, self._minmax_out(count), ends, (kind, c, state_lo, state_hi))
+        # with ends (the CPU's) the kernel keeps no per-unit lo / hi: no scratch pair for them
+        out = None if ends is not None else self._minmax_out(count)
+        return unit_minmax(units, out, ends, (kind, c, state_lo, state_hi))
 
     @only_observes  # the op minmax_observe: forward's own steps in one launch
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -238,7 +238,7 @@ def _takes_out(out, U: int, units: torch.Tensor) -> bool:
 
 def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ends: torch.Tensor | None = None, update: tuple | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Min and max of every row of ``units [U, E]`` as two ``[U]`` tensors (NaN propagates):
     float32 for float32 / bf16 / fp16 units, the units' dtype for others.
 
@@ -248,7 +248,9 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     min and the largest max (NaN if any), which the non-finite check needs; the kernel
     gets them in the same pass. ``update``: ``(kind, c, state_lo, state_hi)``, a state
     update (:func:`update_state`) applied after the min / max are taken, in the same pass
-    on the kernel path; the returned ``lo`` / ``hi`` are then scratch.
+    on the kernel path; the returned ``lo`` / ``hi`` are then scratch, and where ``ends`` is
+    given too the kernel path writes none: ``(None, None)`` (the state and ``ends`` hold all
+    the call keeps; writing them would cost as much as the reads for short rows).
     """
     U, E = units.shape
     if E == 0:  # (the C kernels divide their rows by E; torch raises an IndexError)
@@ -273,24 +275,31 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         if update is not None:
             update_state(update[0], update[1], update[2], update[3], lo, hi)
         return lo, hi
-    lo, hi = out if out is not None else (kernels.buffer(U), kernels.buffer(U))
+    if update is not None and ends is not None:  # a fused update keeps no per-unit lo / hi
+        lo = hi = lo_p = hi_p = None
+    else:
+        lo, hi = out if out is not None else (kernels.buffer(U), kernels.buffer(U))
+        lo_p, hi_p = lo.data_ptr(), hi.data_ptr()
     scratch = ends if ends is not None else kernels.buffer(2)
     if update is None:
         mode, c, slo, shi, written = 0, 0.0, None, None, (lo, hi)
     else:
         kind, c, slo, shi = update
-        mode, c, written = UPDATES[kind], float(c), (lo, hi, slo, shi)
+        mode, c = UPDATES[kind], float(c)
+        written = (slo, shi) if lo is None else (lo, hi, slo, shi)
         slo, shi = slo.data_ptr(), shi.data_ptr()
-    kernel_pass(lib, units.data_ptr(), U, E, lo.data_ptr(), hi.data_ptr(), scratch.data_ptr(),
-                mode, c, slo, shi, KERNEL_DTYPES[units.dtype])
+    kernel_pass(lib, units.data_ptr(), U, E, lo_p, hi_p, scratch.data_ptr(), mode, c, slo, shi,
+                KERNEL_DTYPES[units.dtype])
     increment_version(written)  # written by the C, as in-place torch ops would (one call)
     return lo, hi
 
 
-def kernel_pass(lib, x: int, U: int, E: int, lo: int, hi: int, ends: int, mode: int, c: float,
-                state_lo: int | None, state_hi: int | None, code: int) -> None:
+def kernel_pass(lib, x: int, U: int, E: int, lo: int | None, hi: int | None, ends: int,
+                mode: int, c: float, state_lo: int | None, state_hi: int | None,
+                code: int) -> None:
     """The C min / max pass over ``U`` rows of ``E`` at address ``x`` (:func:`unit_minmax`'s, the
-    cached observer step's): one thread rule (one unit: its elements split over them)."""
+    cached observer step's): one thread rule (one unit: its elements split over them); ``lo``
+    / ``hi`` None: a state update (``mode``) keeps no per-unit min / max."""
     lib.qs_unit_minmax(x, U, E, lo, hi, ends, _threads(U * E, U if U > 1 else E), mode, c,
                        state_lo, state_hi, code)
 
