@@ -130,8 +130,9 @@ def quark_token_count(x: torch.Tensor) -> int | torch.Tensor:
     tensor op, no tensor to add the count with), else that function's 0-dim tensor (no host
     sync; traced by torch.compile / torch.export, which trace neither: ``kernels.lib`` is None
     there). Where the kernel would read a 0-dim ``x`` or one with an empty last axis, that
-    function counts it (0 rows of no values, a 0-dim one a row), as Quark's
-    ``(x != 0).any(-1).sum()`` and numpy's ``any(-1)`` do."""
+    function counts it (0 rows of no values, a 0-dim one a row), as the expression
+    ``(x != 0).any(-1).sum()`` and numpy's ``any(-1)`` do (Quark's forward never counts
+    those: it counts 2-D+ batches with values only, as forward calls this)."""
     code, shape = _KERNEL_CODES.get(x.dtype), x.shape
     if (code is not None and x.is_cpu and x.is_contiguous()
             and (lib := kernels.lib("unit_minmax")) is not None and kernels.real_tensor(x)):

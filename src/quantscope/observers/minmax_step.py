@@ -71,12 +71,12 @@ def _runs_steps_of(cls: type, base: type) -> bool:
 
 
 def _takes_class(cls: type, base: type, memoryless: type) -> tuple:
-    """``(accumulating, memoryless, set_shape each call, from scratch)``: whether ``cls`` runs
-    the min-max ``base``'s steps, fusing an accumulating update (its instances that
-    accumulate), and whether an instance that does not accumulate keeps the last call's
+    """``(accumulating, memoryless, set_shape each call, runs base's steps)``: whether
+    ``cls`` runs the min-max ``base``'s steps, fusing an accumulating update (its instances
+    that accumulate), and whether an instance that does not accumulate keeps the last call's
     min / max as ``memoryless`` (the class, or ``base``'s steps, whose ``_observe`` runs its:
-    then, from scratch, the state is the ``_minmax_out`` scratch pair :func:`_scratch_state`
-    keeps)."""
+    where it runs ``base``'s, the last, its memoryless state is the ``_minmax_out`` scratch
+    pair :func:`_scratch_state` keeps)."""
     if cls.needs_units:
         return False, False, False, False
     runs_base = _runs_steps_of(cls, base)

@@ -194,39 +194,39 @@ rows4(const float *x, const int64_t E, int64_t u, int64_t u1, float *lo, float *
 }
 #endif
 
-/* Min / max of rows [u0, u1) of a contiguous [U, E] float32 matrix, NaN propagated, and
-   the share's ends. */
-static void rows(const float *x, int64_t E, int64_t u0, int64_t u1, float *lo, float *hi,
-                 ends_t *e) {
+/* Min / max of the n rows of a contiguous [n, E] float32 matrix, NaN propagated, and the
+   share's ends. */
+static void rows(const float *x, int64_t E, int64_t n, float *lo, float *hi, ends_t *e) {
+    int64_t u0 = 0;
 #ifdef __AVX2__
     /* E as a constant where it is common: the folds unroll */
-    if (E == 16) u0 = rows4(x, 16, u0, u1, lo, hi, e);
-    else if (E == 32) u0 = rows4(x, 32, u0, u1, lo, hi, e);
-    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, u0, u1, lo, hi, e);
+    if (E == 16) u0 = rows4(x, 16, 0, n, lo, hi, e);
+    else if (E == 32) u0 = rows4(x, 32, 0, n, lo, hi, e);
+    else if (E % 8 == 0 && E <= 64) u0 = rows4(x, E, 0, n, lo, hi, e);
 #endif
-    for (int64_t u = u0; u < u1; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
+    for (int64_t u = u0; u < n; ++u) row(x + u * E, E, lo + u, hi + u, e);  /* the rest */
 }
 
-/* rows() of a [U, E] matrix of any element type: bf16 / fp16 rows are widened a piece at
+/* rows() of an [n, E] matrix of any element type: bf16 / fp16 rows are widened a piece at
    a time (whole rows where they fit in one, else each row piece by piece). */
-static void rows_of(const void *x, int dt, int64_t E, int64_t u0, int64_t u1, float *lo,
-                    float *hi, ends_t *e) {
+static void rows_of(const void *x, int dt, int64_t E, int64_t n_rows, float *lo, float *hi,
+                    ends_t *e) {
     if (dt == QS_F32) {
-        rows((const float *)x, E, u0, u1, lo, hi, e);
+        rows((const float *)x, E, n_rows, lo, hi, e);
         return;
     }
     const uint16_t *h = (const uint16_t *)x;
     float buf[PIECE] __attribute__((aligned(64)));  /* no 32-byte access splits a line */
     if (E <= PIECE) {
         const int64_t k = PIECE / E;
-        for (int64_t u = u0; u < u1; u += k) {
-            const int64_t n = u1 - u < k ? u1 - u : k;
+        for (int64_t u = 0; u < n_rows; u += k) {
+            const int64_t n = n_rows - u < k ? n_rows - u : k;
             widen(h + u * E, dt, n * E, buf);
-            rows(buf, E, 0, n, lo + u, hi + u, e);
+            rows(buf, E, n, lo + u, hi + u, e);
         }
         return;
     }
-    for (int64_t u = u0; u < u1; ++u) {
+    for (int64_t u = 0; u < n_rows; ++u) {
         float l = INFINITY, g = -INFINITY, pl, ph;
         int bad = 0;
         for (int64_t j = 0; j < E; j += PIECE) {
@@ -673,12 +673,13 @@ static void *run(void *p) {
     /* (a block of half rows holds up to PIECE units) */
     float blo[PIECE] __attribute__((aligned(64))), bhi[PIECE] __attribute__((aligned(64)));
     const int64_t row_bytes = j->E * (j->dt == QS_F32 ? 4 : 2), step = block_units(j->dt, j->E);
-    /* half rows are staged by rows_of()'s widening already: their lo / hi go straight out */
+    /* half rows: rows_of() reads them from its L1 widening buffer, whose pieces these
+       blocks are (block_units); their lo / hi go straight out, unstaged */
     const int direct = j->lo && !j->mode && j->dt != QS_F32;
     for (int64_t b = j->u0; b < j->u1; b += step) {
         const int64_t n = j->u1 - b < step ? j->u1 - b : step;
         float *lo = direct ? j->lo + b : blo, *hi = direct ? j->hi + b : bhi;
-        rows_of((const char *)j->x + b * row_bytes, j->dt, j->E, 0, n, lo, hi, &e);
+        rows_of((const char *)j->x + b * row_bytes, j->dt, j->E, n, lo, hi, &e);
         if (j->mode) update(j->mode, j->slo + b, j->shi + b, lo, hi, n, j->c, j->omc);
         if (j->lo && !direct) {  /* NULL: a state update's, which no one reads */
             memcpy(j->lo + b, lo, (size_t)n * sizeof *lo);
@@ -813,12 +814,12 @@ static void *prun(void *q) {
         const int64_t full = N - 1 - k < j->u1 - u ? N - 1 - k : j->u1 - u;
         n = p->dt == QS_F32 ? full / 4 * 4 : 0;
         if (n) {
-            rows((const float *)p->x + r * p->W + k * E, E, 0, n, p->lo + u, p->hi + u, &e);
+            rows((const float *)p->x + r * p->W + k * E, E, n, p->lo + u, p->hi + u, &e);
             continue;
         }
         n = j->u1 - u < piece ? j->u1 - u : piece;
         padded_units(p, r, k, n, buf);
-        rows(buf, E, 0, n, p->lo + u, p->hi + u, &e);
+        rows(buf, E, n, p->lo + u, p->hi + u, &e);
         unpad(p, k, n, buf, p->lo + u, p->hi + u);
     }
     return NULL;
@@ -891,7 +892,7 @@ static void exact(const agroups_t *a, int64_t u0, int64_t u1, void *buf) {
     for (int64_t u = u0; u < u1; u += k) {
         const int64_t n = u1 - u < k ? u1 - u : k;
         gather(a, u, n, buf);
-        rows_of(buf, a->dt, a->E, 0, n, a->lo + u, a->hi + u, &e);
+        rows_of(buf, a->dt, a->E, n, a->lo + u, a->hi + u, &e);
     }
 }
 
