@@ -39,7 +39,10 @@ Where the results differ from llm-compressor's, by choice:
   dtype. The MSE and imatrix searches price each candidate as theirs, in the dtype (the
   MSE's error sums too; a float ``scale_dtype`` and MX's E8M0 scales rounded from the
   dtype's scale), so their ranges are theirs bit for bit
-  (:func:`~.llmcompressor_imatrix.half_search`). A ``scale_dtype`` wider than the
+  (:func:`~.llmcompressor_imatrix.half_search`). MX scales of blocks whose amax the dtype
+  holds only as a subnormal (float16: below 2**-14) are theirs in qparams and searches alike
+  (:func:`~.llmcompressor_parts.mx_scale_in_dtype`: 1 below 1.5 * 2**-15, where their
+  rounding in the dtype gives 0; never 0). A ``scale_dtype`` wider than the
   statistics' dtype (float32 on bfloat16 / float16, bfloat16 on float16), where their clamp
   to its range raises, gives their formula's scales without the clamp (it changes no value
   there), symmetric and asymmetric alike.
@@ -55,6 +58,8 @@ Where the results differ from llm-compressor's, by choice:
 * MXFP8: compressed-tensors rounds the block amax with fp4's one mantissa bit for every
   element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
+* float16 MX blocks whose amax is 57344 or more: compressed-tensors rounds it to float16's
+  inf (an inf scale, NaN after fake quantization); quantscope's scale is the finite E8M0 one.
 * asymmetric fp8 (``type="float", symmetric=False``) is refused: a float format has no
   zero point in quantscope; so is an integer ``scale_dtype`` outside MX (compressed-tensors
   rounds such scales to integers, a scale encoding quantscope does not have), and a float

@@ -32,7 +32,7 @@ from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from ..stats.minmax import ema_
 from . import UnsupportedInputError, enum_name, field
-from .llmcompressor_parts import FusionHandler, flatten_for_calibration
+from .llmcompressor_parts import FusionHandler, flatten_for_calibration, mx_scale_in_dtype
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
 __all__ = ["HALF_SCALES", "Observer", "check_expanded_range", "check_finite_statistics",
@@ -470,6 +470,8 @@ def qparams_of_statistics(min_vals: torch.Tensor, max_vals: torch.Tensor, args, 
         scale = round_to_scale_dtype(scale, sd)
     zero_scale = (local <= _ZERO_STAND_IN).reshape(shape)
     scale = scale.reshape(shape).to(dtype)
+    if spec.scale.kind == "e8m0":  # theirs below the dtype's normal amaxes (float16: 1, not 0)
+        scale = mx_scale_in_dtype(scale, min_vals, max_vals, spec.format, dtype)
     if global_amax is not None:  # their product with the [1] global scale
         scale = scale.reshape(torch.broadcast_shapes(shape, (1,)))
     zero_scale = zero_scale | (scale == 0)  # 0 also where a dtype rounds a scale to it

@@ -60,7 +60,7 @@ from .llmcompressor_base import (
     statistics_dtype,
     statistics_units,
 )
-from .llmcompressor_parts import flatten_for_calibration
+from .llmcompressor_parts import flatten_for_calibration, mx_scale_in_dtype
 from .llmcompressor_spec import search_spec, unit_search_spec
 
 __all__ = ["IMatrixMixin", "candidate_qparams", "half_fake_quantize", "half_qparams",
@@ -257,7 +257,8 @@ def candidate_qparams(lo: torch.Tensor, hi: torch.Tensor, spec
     1), else the dtype's."""
     dtype = lo.dtype
     if spec.scale.kind == "e8m0":  # their generate_mx_scales; the exponent read in the dtype
-        scale = e8m0_scale(amax_of_range(lo, hi).float(), spec.format, spec.scale.mode).to(dtype)
+        scale = e8m0_scale(amax_of_range(lo, hi).float(), spec.format, spec.scale.mode)
+        scale = mx_scale_in_dtype(scale, lo, hi, spec.format, dtype)
         zp, eps = torch.zeros_like(scale), 1.0
     else:
         scale, zp = half_qparams(lo, hi, spec, eps=False)

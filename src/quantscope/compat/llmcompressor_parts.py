@@ -2,12 +2,15 @@
 
 :func:`flatten_for_calibration` (the ``(observations, *qparam_shape, elements)`` view each
 strategy calibrates on) and :class:`FusionHandler` (observers of fused layers, e.g. q / k / v,
-share one NVFP4 global scale), as llm-compressor 0.14 defines them, with no dependency on
-llm-compressor: :mod:`quantscope.compat.llmcompressor` builds on them.
+share one NVFP4 global scale), as llm-compressor 0.14 defines them, and
+:func:`mx_scale_in_dtype` (compressed-tensors' MX block scale in a model's dtype), with no
+dependency on llm-compressor: :mod:`quantscope.compat.llmcompressor` and the llm-compressor
+integration build on them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from weakref import ref
 
@@ -15,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import as_int
+from ..qparams import amax_of_range
+from ..scales import e8m0_scale
 from . import enum_name, field
 
 __all__ = ["FUSED_LAYER_NAMES", "FusionHandler", "GroupSizeError", "flatten_for_calibration",
-           "fuse_weight_observers"]
+           "fuse_weight_observers", "mx_scale_in_dtype"]
 
 
 class GroupSizeError(ValueError, RuntimeError):
@@ -192,3 +197,52 @@ def _fuse_group(names, layers) -> None:
     assert all(obs is not None for obs in observers), f"{start} no weight observer{end}"
     assert len(pairs) == len(observers), f"{start} non-TENSOR_GROUP quantization{end}"
     type(pairs[0][0].fusion_handler).fuse(pairs)  # the observers' own handler class
+
+
+def mx_scale_in_dtype(scale: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, fmt,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """compressed-tensors 0.19's MX (E8M0) block scales in ``dtype``, the observed one, of the
+    ranges ``[lo, hi]`` whose power of two ``scale`` was computed in float32 (element format
+    ``fmt``); never 0.
+
+    compressed-tensors computes the scale from the amax held in ``dtype``. Where that is a
+    normal number the power of two is the float32 one, which ``dtype`` holds (float16's
+    smallest normal amax, 2**-14, gives 2**-22 at the least). Below it, its
+    ``round_to_power_2`` keeps the dtype's exponent bits: a subnormal amax rounds to 0, or from
+    0.75 of the smallest normal up to that normal (the carry of its added quarter); a zero
+    power of two is the smallest E8M0 scale, 2**-127, which float16 flushes to 0; and a zero
+    scale becomes its uint8 ``scale_dtype``'s eps, 1.0. On float16 a block below 2**-14 thus
+    gets scale 1 (below 1.5 * 2**-15) or fp4's 2**-16 / fp8's 2**-22; bfloat16 and float32
+    blocks get 2**-127 there, float32's scale (then nothing but the cast is computed).
+    """
+    low = _mx_low_scales(fmt, dtype)
+    out = scale.to(dtype)
+    if low is None:
+        return out
+    tiny = torch.finfo(dtype).tiny
+    amax = amax_of_range(lo, hi).reshape(-1)  # (lo <= hi: their clamps to 0 change nothing)
+    # host reads (qparams, not forward): most tensors have no such block, and masks over
+    # every block cost up to a hundred times the cast on the CPU, so only the few are fixed
+    if amax.is_meta or amax.numel() == 0 or bool(amax.min() >= tiny):
+        return out
+    few = torch.nonzero(amax < tiny).reshape(-1)  # held below tiny implies amax below it
+    held = amax[few].to(dtype).float()  # the amax as theirs holds it
+    zero, carry = low
+    fixed = torch.where(held < tiny, torch.where(held < 0.75 * tiny, zero, carry),
+                        scale.reshape(-1)[few].float())
+    out = scale.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    out.view(-1)[few] = fixed.to(dtype)
+    return out
+
+
+@functools.cache
+def _mx_low_scales(fmt, dtype: torch.dtype) -> tuple[float, float] | None:
+    """The scales in ``dtype`` of a subnormal amax that rounds to 0 and of one that carries to
+    the smallest normal (:func:`mx_scale_in_dtype`), or None where both are float32's own
+    (the E8M0 floor 2**-127, which ``dtype`` holds)."""
+    floor, tiny = 2.0 ** -127, torch.finfo(dtype).tiny
+    values = [float(torch.tensor(v).to(dtype)) for v in
+              (floor, float(e8m0_scale(torch.tensor(tiny), fmt)))]
+    if values == [floor, floor]:
+        return None
+    return tuple(v if v != 0 else 1.0 for v in values)

@@ -31,7 +31,13 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   may exceed the tensor's absmax: candidates are scored with the e4m3 block scales that run
   under it, docs/guide/observers.md), reported to llm-compressor's own observers in the group
   too, so a mixed group shares one global scale; min-max ranges give llm-compressor's own.
-* MX (E8M0) ranges are handed over in float32, not the observed dtype (:func:`range_dtype`).
+* MX (E8M0) ranges are handed over in float32, not the observed dtype (:func:`range_dtype`);
+  the scale comes back in the observed dtype by compressed-tensors' rule there
+  (:func:`~quantscope.compat.llmcompressor_parts.mx_scale_in_dtype`): on float16, a block
+  below its smallest normal amax (2**-14) gets scale 1 (below 1.5 * 2**-15) or fp4's 2**-16 /
+  fp8's 2**-22, as llm-compressor's own observers give, never 0. One difference: a float16
+  block amax from 57344 up, whose power of two compressed-tensors rounds to float16's inf
+  (an inf scale), keeps the float32 one (2**14 for fp4).
 * Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
@@ -90,6 +96,7 @@ from ..compat.llmcompressor_base import (
     statistics_units,
 )
 from ..compat.llmcompressor_imatrix import IMatrixMixin
+from ..compat.llmcompressor_parts import mx_scale_in_dtype
 from ..compat.llmcompressor_spec import llmcompressor_spec
 from ..layout import Block, Channel
 from ..observers.registry import list_observers, observer_class
@@ -235,11 +242,17 @@ class QuantscopeObserver(Observer):
 
     @torch.no_grad()
     def get_qparams(self) -> dict:
+        mx = should_generate_mx_scales(self.args) and self.has_statistics
+        if mx:  # (read before Observer.get_qparams deletes the statistics)
+            lo, hi = self.min_vals, self.max_vals
         qparams = Observer.get_qparams(self)
-        if should_generate_mx_scales(self.args):
+        if mx:
             # the MX range went in float32 (range_dtype); the scale, a power of two, is kept
-            # in the observed dtype as llm-compressor's own (its GPTQ rounds in that dtype)
-            qparams["scale"] = qparams["scale"].to(self._dtype)
+            # in the observed dtype as llm-compressor's own (its GPTQ rounds in that dtype),
+            # with its rule for blocks that dtype holds no normal amax of (a plain cast
+            # flushed float16's to 0: NaN in the quantized model)
+            fmt = llmcompressor_spec(self.args, self.base_name).format
+            qparams["scale"] = mx_scale_in_dtype(qparams["scale"], lo, hi, fmt, self._dtype)
         return qparams
 
     def get_statistics(self) -> dict[str, torch.Tensor]:
