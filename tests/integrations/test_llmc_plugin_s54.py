@@ -1,10 +1,12 @@
 """Fixes of the s54 integrations probe in the llm-compressor plugin (``quantscope_<name>``):
 MX (E8M0) block scales on float16 models (the float32 power of two cast to float16 flushed
-zero and tiny blocks' scales to 0: NaN in the quantized model, +-6 in the checkpoint). Runs in
-the peers' venv."""
+zero and tiny blocks' scales to 0: NaN in the quantized model, +-6 in the checkpoint) and the
+meta-device pass of ``model_free_ptq``'s memory estimate. Runs in the peers' venv."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 pytestmark = pytest.mark.peers
 
 llmc = pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -147,3 +150,59 @@ def test_oneshot_mxfp4_float16_model_is_llmcompressors_and_finite(tmp_path):
     assert ours.keys() == theirs.keys() and ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert ours["model.layers.0.self_attn.q_proj.weight_scale"][:2, 0].tolist() == [1.0, 1.0]
+
+
+# ------------------------------------------------------------------ model_free_ptq's meta pass
+META_SCHEMES = ["W4A16", "W4A16_ASYM", "FP8", "NVFP4A16", "MXFP4A16", "FP8_BLOCK"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", META_SCHEMES)
+def test_every_name_gives_meta_qparams_on_meta(preset, dtype):
+    # quantscope_*'s get_qparams raised "its state is on the meta device"; llm-compressor's
+    # own observers return meta qparams, which its memory estimate measures
+    args = PRESET_SCHEMES[preset]["weights"]
+    w = torch.empty(64, 128, device="meta", dtype=dtype)
+    ref = Observer.load_from_registry("memoryless_minmax", base_name="weight",
+                                      args=args.model_copy(deep=True))
+    ref(w)
+    want = ref.get_qparams()
+    for name in qsl.observer_names():
+        if name in ("quantscope_linear_mse", "quantscope_horizon_mse") and not args.symmetric:
+            continue  # symmetric only
+        obs = Observer.load_from_registry(name, base_name="weight",
+                                          args=args.model_copy(deep=True))
+        obs(w)
+        got = obs.get_qparams()
+        for key, value in want.items():
+            if value is None:
+                assert got[key] is None, (name, key)
+                continue
+            assert got[key].is_meta, (name, key)
+            assert (got[key].shape, got[key].dtype) == (value.shape, value.dtype), (name, key)
+
+
+@pytest.mark.parametrize("preset", ["W4A16_G32", "NVFP4A16"])
+def test_model_free_ptq_estimates_memory_with_quantscope_names(tmp_path, preset):
+    # the estimate failed (a traceback per shard, a 2.5x-size guess); NVFP4 runs the
+    # microscale path, whose fused observers report their statistics on meta too
+    from llmcompressor.entrypoints.model_free import model_free_ptq
+    from loguru import logger
+
+    _llama(tmp_path / "src")
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32) if preset == "W4A16_G32" else \
+        PRESET_SCHEMES[preset]["weights"].model_copy(deep=True)
+    args.observer = "quantscope_mse"
+    messages = []
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            model_free_ptq(tmp_path / "src", tmp_path / "out", ignore=["lm_head"], device="cpu",
+                           scheme=QuantizationScheme(targets=["Linear"], weights=args))
+    finally:
+        logger.remove(sink)
+    assert "Traceback" not in err.getvalue()
+    assert not [m for m in messages if "estimate memory" in m]
+    assert list((tmp_path / "out").glob("*.safetensors"))

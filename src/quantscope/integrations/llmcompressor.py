@@ -38,6 +38,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   fp8's 2**-22, as llm-compressor's own observers give, never 0. One difference: a float16
   block amax from 57344 up, whose power of two compressed-tensors rounds to float16's inf
   (an inf scale), keeps the float32 one (2**14 for fp4).
+* On the meta device (``model_free_ptq``'s memory estimate) ``get_qparams`` returns meta
+  qparams of llm-compressor's shapes and dtypes, as its own observers do; nothing is read.
 * Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
@@ -232,13 +234,24 @@ class QuantscopeObserver(Observer):
         # quantscope's range, shaped and typed as llm-compressor's min_vals / max_vals
         # (see range_dtype)
         if self._range is None:
+            dtype = range_dtype(self.args, self._dtype)
+            if self._on_meta:
+                # model_free_ptq's memory estimate runs on the meta device: meta ranges of
+                # the right shape and dtype, as llm-compressor's own (no values to read)
+                self._range = (torch.empty(self._qparam_shape, dtype=dtype, device="meta"),
+                               torch.empty(self._qparam_shape, dtype=dtype, device="meta"))
+                return self._range
             self.quantscope.check_ready()
             lo, hi = self.quantscope.calculate_range()
             # copies: the quantscope observer updates its buffers in place
-            dtype = range_dtype(self.args, self._dtype)
             self._range = (lo.reshape(self._qparam_shape).to(dtype, copy=True),
                            hi.reshape(self._qparam_shape).to(dtype, copy=True))
         return self._range
+
+    @property
+    def _on_meta(self) -> bool:
+        """Whether the state observed the meta device (it follows the data's device)."""
+        return self.quantscope.seen_non_finite.is_meta
 
     @torch.no_grad()
     def get_qparams(self) -> dict:
@@ -257,7 +270,7 @@ class QuantscopeObserver(Observer):
 
     def get_statistics(self) -> dict[str, torch.Tensor]:
         stats = super().get_statistics()
-        amax = self.quantscope.global_amax()
+        amax = None if self._on_meta else self.quantscope.global_amax()
         if amax is not None:  # the amax the ranges were searched under (NVFP4 MSE)
             # in the observed dtype, as llm-compressor's statistics, where it holds it: a
             # searched amax past float16's 65504 read inf there, a global scale of 0 (the
