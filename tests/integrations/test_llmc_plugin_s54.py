@@ -1,7 +1,8 @@
 """Fixes of the s54 integrations probe in the llm-compressor plugin (``quantscope_<name>``):
 MX (E8M0) block scales on float16 models (the float32 power of two cast to float16 flushed
-zero and tiny blocks' scales to 0: NaN in the quantized model, +-6 in the checkpoint) and the
-meta-device pass of ``model_free_ptq``'s memory estimate. Runs in the peers' venv."""
+zero and tiny blocks' scales to 0: NaN in the quantized model, +-6 in the checkpoint), the
+meta-device pass of ``model_free_ptq``'s memory estimate, and errors in the recipe's words.
+Runs in the peers' venv."""
 
 from __future__ import annotations
 
@@ -206,3 +207,37 @@ def test_model_free_ptq_estimates_memory_with_quantscope_names(tmp_path, preset)
     assert "Traceback" not in err.getvalue()
     assert not [m for m in messages if "estimate memory" in m]
     assert list((tmp_path / "out").glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------ messages
+def test_symmetric_only_search_names_the_recipe_and_the_names_to_use():
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                            group_size=32)
+    for name in ("quantscope_linear_mse", "quantscope_horizon_mse"):
+        with pytest.raises(ValueError) as e:
+            Observer.load_from_registry(name, base_name="weight", args=args.model_copy())
+        text = str(e.value)
+        assert name in text and "symmetric: false" in text and "group_size: 32" in text
+        assert "quantscope_memoryless_mse" in text and "quantscope_mse" in text
+        assert "channel:0" not in text
+
+
+def test_nan_input_says_how_a_recipe_skips_it():
+    x = torch.randn(1, 8, 64)
+    x[0, 0, 0] = float("nan")
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
+    obs = Observer.load_from_registry("quantscope_static_minmax", base_name="input",
+                                      args=args.model_copy())
+    obs(x)
+    with pytest.raises(ValueError, match="observed NaN or inf") as e:
+        obs.get_qparams()
+    text = str(e.value)
+    assert "quantscope_static_minmax" in text and "input_activations" in text
+    assert "observer_kwargs: {non_finite: ignore}" in text and "strategy: tensor" in text
+    assert "channel:0" not in text and "construct" not in text
+    # the advice works
+    args.observer_kwargs = {"non_finite": "ignore"}
+    obs = Observer.load_from_registry("quantscope_static_minmax", base_name="input", args=args)
+    obs(x)
+    with pytest.warns(UserWarning, match="ignored 1 NaN"):
+        assert bool(obs.get_qparams()["scale"].isfinite().all())

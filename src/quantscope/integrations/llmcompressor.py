@@ -43,7 +43,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
 * Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
-  ``percentile``, ``averaging_constant`` ...).
+  ``percentile``, ``averaging_constant`` ...; ``non_finite: ignore`` skips NaN / inf, which
+  are refused otherwise). Errors name the registry name and the recipe's fields.
 * DDP: ``sync_activation_stats`` reduces the state through :mod:`quantscope.distributed`
   (histograms merge exactly, min / max by MIN / MAX); weights are not synced (every rank
   holds the same weights, and llm-compressor observes each weight on one rank).
@@ -105,7 +106,7 @@ from ..observers.registry import list_observers, observer_class
 from ..qparams import amax_of_range
 
 __all__ = ["PREFIX", "QuantscopeIMatrixObserver", "QuantscopeObserver", "observer_names",
-           "register_all", "units_spec"]
+           "recipe_args", "register_all", "units_spec"]
 
 PREFIX = "quantscope_"
 #: native names not offered: the placeholder observes nothing (fp16 / bf16 pass-through)
@@ -125,6 +126,10 @@ class QuantscopeObserver(Observer):
         super().__init__(base_name, args, **observer_kwargs)
         spec = units_spec(self.args, base_name)
         cls = observer_class(self.quantscope_name)
+        if getattr(cls, "symmetric_only", False) and not spec.symmetric:
+            raise ValueError(f"observer {PREFIX}{self.quantscope_name} searches symmetric ranges "
+                             f"only; the recipe's {recipe_args(self.args, base_name)} are "
+                             f"asymmetric: use {PREFIX}memoryless_mse or {PREFIX}mse for them")
         kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
         try:
             self.quantscope = cls(spec, **kwargs)
@@ -241,12 +246,25 @@ class QuantscopeObserver(Observer):
                 self._range = (torch.empty(self._qparam_shape, dtype=dtype, device="meta"),
                                torch.empty(self._qparam_shape, dtype=dtype, device="meta"))
                 return self._range
-            self.quantscope.check_ready()
+            self._check_ready()
             lo, hi = self.quantscope.calculate_range()
             # copies: the quantscope observer updates its buffers in place
             self._range = (lo.reshape(self._qparam_shape).to(dtype, copy=True),
                            hi.reshape(self._qparam_shape).to(dtype, copy=True))
         return self._range
+
+    def _check_ready(self) -> None:
+        """The quantscope observer's check, its NaN / inf refusal in the recipe's words."""
+        try:
+            self.quantscope.check_ready()
+        except ValueError:
+            if not bool(self.quantscope.seen_non_finite):  # (an error path: one host read)
+                raise
+            raise ValueError(
+                f"observer {PREFIX}{self.quantscope_name} for "
+                f"{recipe_args(self.args, self.base_name)}: observed NaN or inf values; fix "
+                f"the input, or skip them with observer_kwargs: {{non_finite: ignore}} in the "
+                f"recipe") from None
 
     @property
     def _on_meta(self) -> bool:
@@ -324,6 +342,25 @@ def range_dtype(args, observed: torch.dtype) -> torch.dtype:
     a data value) rounded to bfloat16 can cross that boundary (1.7475 read 1.75: twice the
     scale searched); in float32 it rounds as the search priced it."""
     return torch.float32 if should_generate_mx_scales(args) else observed
+
+
+#: the recipe field (QuantizationScheme's) of each observed base name; the kv cache's own
+_RECIPE_FIELDS = {"weight": "weights", "input": "input_activations",
+                  "output": "output_activations"}
+
+
+def recipe_args(args, base_name: str) -> str:
+    """``args`` as a recipe writes them, for messages: ``weights {num_bits: 4, type: int,
+    symmetric: false, strategy: group, group_size: 32}`` (a kv cache / attention base name
+    as itself)."""
+    fields = {"num_bits": args.num_bits, "type": getattr(args.type, "value", args.type),
+              "symmetric": str(args.symmetric).lower(),
+              "strategy": getattr(args.strategy, "value", args.strategy)}
+    for name in ("group_size", "block_structure"):
+        if getattr(args, name, None) is not None:
+            fields[name] = getattr(args, name)
+    text = ", ".join(f"{k}: {v}" for k, v in fields.items())
+    return f"{_RECIPE_FIELDS.get(base_name, base_name)} {{{text}}}"
 
 
 def _report_global_amax(stats: dict, amax: torch.Tensor) -> None:

@@ -213,13 +213,15 @@ class LinearMSEObserver(MovingAverageMSEObserver):
     #: the search's squares rounded to float32 (Horizon's arithmetic: its compat class); the
     #: native search squares exactly in float64 (``mse_search``'s ``float32_squares``)
     float32_squares: ClassVar[bool] = False
+    #: an asymmetric spec is refused (integrations check it to name what their user wrote)
+    symmetric_only: ClassVar[bool] = True
 
     def __init__(self, spec=None, *, stride: int = 1, averaging_constant: float = 0.01,
                  chunk_elems: int | None = None, **kwargs):
         self.stride = stride
         super().__init__(spec, averaging_constant=averaging_constant, chunk_elems=chunk_elems,
                          **kwargs)
-        if not self.spec.symmetric:  # its (-amax, amax) candidates would waste half the grid
+        if self.symmetric_only and not self.spec.symmetric:  # (-amax, amax) wastes half the grid
             raise ValueError(f"{type(self).__name__}: searches symmetric ranges only, got the "
                              f"asymmetric spec {self.spec}; use memoryless_mse / mse for it")
 
