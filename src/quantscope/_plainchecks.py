@@ -8,8 +8,26 @@ import os
 
 import numpy as np
 
-__all__ = ["as_bool", "block_structure", "check_bool", "check_path", "quant_method",
-           "spelt_as_scheme"]
+__all__ = ["DEMO_MODEL_NAMES", "as_bool", "block_structure", "check_bool", "check_path",
+           "demo_model_name", "quant_method", "spelt_as_scheme"]
+
+#: the names under which ``--model`` (and ``quantscope.demo.models.load_model``) takes a demo
+#: model (:data:`quantscope.demo.models.DEMO_MODELS` builds each)
+DEMO_MODEL_NAMES = ("minilm", "smollm2-135m")
+
+
+def demo_model_name(path) -> str | None:
+    """The demo model ``path`` names (lower case), or None where it names a path: a demo
+    name in any case (``MiniLM``) that is no file or folder here. A folder that exists under a
+    demo name (``./minilm``, an export saved so) is what loads, so it is checked as any path
+    is: the one rule of ``demo.models.resolve_model_path`` and the CLI's ``--model`` checks
+    (None: no name, the default model, is the caller's to read)."""
+    if path is None:
+        return None
+    name = os.fsdecode(os.fspath(path))
+    if name.lower() not in DEMO_MODEL_NAMES or os.path.exists(name):
+        return None
+    return name.lower()
 
 
 def as_bool(value) -> bool | None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 
 from .._jsonfile import read_json
-from .._plainchecks import quant_method, spelt_as_scheme
+from .._plainchecks import demo_model_name, quant_method, spelt_as_scheme
 from .names import DEMO_MODELS, OBSERVER_NAMES, RECIPE_NAMES, SCHEME_NAMES
 
 
@@ -142,8 +143,14 @@ def check_resource_args(args) -> None:
 
 
 def check_model_arg(path) -> None:
-    if path is None or str(path).lower() in DEMO_MODELS:
+    """``--model`` before anything loads: a demo model's name, or the folder that will load
+    (:func:`~quantscope._plainchecks.demo_model_name`: a folder named ``minilm`` here is
+    that folder, checked as any path, and said to be)."""
+    if path is None or demo_model_name(path) is not None:
         return
+    if str(path).lower() in DEMO_MODELS:  # (it exists, as a file or folder here)
+        print(f"warning: --model {path}: the folder {os.path.join('.', path)} here, not the "
+              f"demo model of that name (a path that exists comes first)", file=sys.stderr)
     if not os.path.exists(path):
         raise UsageError(f"--model {path!r} does not exist (a Hugging Face model folder, or one "
                          f"of the demo models {', '.join(DEMO_MODELS)})")

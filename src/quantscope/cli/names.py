@@ -4,6 +4,8 @@ registry."""
 
 from __future__ import annotations
 
+from .._plainchecks import DEMO_MODEL_NAMES
+
 RECIPE_NAMES = ("w8a8", "w8a8-dynamic", "w4a16", "w4a16-asym", "w4a8", "fp8", "fp8-dynamic",
                 "mxfp4", "nvfp4", "fp8-kv")
 KV_CACHE_NAMES = ("fp8",)
@@ -30,7 +32,9 @@ OBSERVER_NAMES = (
     "torch.ao:MovingAverageMinMaxObserver", "torch.ao:MovingAveragePerChannelMinMaxObserver",
     "torch.ao:PerChannelMinMaxObserver")
 TASKS = ("causal-lm", "embedding")
-DEMO_MODELS = ("minilm", "smollm2-135m")
+#: the demo models' ``--model`` names (a folder of that name that exists is that folder:
+#: ``_plainchecks.demo_model_name``)
+DEMO_MODELS = DEMO_MODEL_NAMES
 DEFAULT_OBSERVERS = "minmax,mse,percentile,entropy,mix,auto"
 #: the modules a preset or scheme quantizes unless --targets says otherwise (a recipe file's
 #: rules name their own)

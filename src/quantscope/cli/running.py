@@ -231,10 +231,11 @@ def fit_length(model, length: int, flag: str, phases: Phases) -> int:
 
 def command_inputs(args) -> list:
     """The paths a calibrating command reads, which its ``--out`` must never replace (a demo
-    model's name is resolved with the run's setup, at save time)."""
-    from .names import DEMO_MODELS
+    model's name is resolved with the run's setup, at save time; a folder of that name here
+    is a path: :func:`~quantscope._plainchecks.demo_model_name`)."""
+    from .._plainchecks import demo_model_name
 
-    model = args.model if args.model and args.model.lower() not in DEMO_MODELS else None
+    model = args.model if args.model and demo_model_name(args.model) is None else None
     return [p for p in (model, getattr(args, "calib_file", None),
                         getattr(args, "recipe_file", None)) if p]
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .._plainchecks import demo_model_name
 from ..calibration.run.checkpoint import TASKS, model_task
 from ..calibration.run.hf_loader import check_no_remote_code, load_tokenizer, pretrained
 
@@ -136,16 +137,20 @@ def decoder_model_path() -> Path:
     return out
 
 
-#: ``--model`` names of the demo models
+#: ``--model`` names of the demo models (``_plainchecks.DEMO_MODEL_NAMES``, which the command
+#: line reads without torch), each with the function that gives its folder
 DEMO_MODELS = {"minilm": default_model_path, "smollm2-135m": decoder_model_path}
 
 
 def resolve_model_path(path=None) -> Path:
-    """A model folder from a path, a demo model's name (:data:`DEMO_MODELS`) or None (MiniLM)."""
+    """A model folder from a path, a demo model's name (:data:`DEMO_MODELS`, any case) or None
+    (MiniLM). A path that exists under a demo model's name (a ``minilm`` folder in the working
+    folder) is that path (``_plainchecks.demo_model_name``: the CLI checks it so too)."""
     if path is None:
         return default_model_path()
-    if str(path).lower() in DEMO_MODELS and not Path(path).exists():
-        return DEMO_MODELS[str(path).lower()]()
+    demo = demo_model_name(path)  # a folder of a demo model's name is that folder
+    if demo is not None:
+        return DEMO_MODELS[demo]()
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (a folder, or one of "

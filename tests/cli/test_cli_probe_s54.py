@@ -1,0 +1,72 @@
+"""Probe s54 (the command line): a folder named like a demo model checked as the path it is,
+a non-UTF-8 ``--out`` name printed, ``--kv-cache`` and a recipe file's option values checked
+before any forward, pasteable "next:" commands, usage errors in one line, observer names in
+any case, library warnings as ``warning:`` lines, no signed zero, no doubled command name."""
+
+import json
+
+import pytest
+from cli_helpers import run_cli
+
+transformers = pytest.importorskip("transformers")
+from tiny_models import bert_folder, require_lee_corpus
+
+FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
+        "8", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A tiny random BERT folder (an encoder: no KV cache), once per module."""
+    require_lee_corpus()
+    return str(bert_folder(tmp_path_factory.mktemp("tiny-bert")))
+
+
+def _quantized_folder(path) -> None:
+    """A folder that looks like a compressed-tensors export (what --model refuses early)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["BertModel"], "model_type": "bert",
+        "quantization_config": {"quant_method": "compressed-tensors"}}))
+
+
+def _fake_run(path) -> str:
+    """A folder that passes for a calibrate run until its qparams load."""
+    (path / "qparams").mkdir(parents=True)
+    (path / "qparams" / "quantscope.json").write_text("{}")
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["minilm", "SmolLM2-135M"])
+@pytest.mark.parametrize("command", ["calibrate", "compare", "evaluate", "export"])
+def test_a_folder_named_like_a_demo_model_is_checked_as_the_path_it_is(
+        tmp_path, monkeypatch, capsys, command, name):
+    """F1: ``--model minilm`` loads ./minilm where it exists, so the early checks read it too
+    (a quantized checkpoint refused before the load), and a warning says which model it is."""
+    monkeypatch.chdir(tmp_path)
+    _quantized_folder(tmp_path / name)
+    run = _fake_run(tmp_path / "run")
+    argv = {"calibrate": ["calibrate", "--out", "o"],
+            "compare": ["compare", "--observers", "minmax", "--no-plots", "--out", "o"],
+            "evaluate": ["evaluate", run], "export": ["export", run, "--out", "o"]}[command]
+    rc, _, err = run_cli(capsys, *argv, "--model", name)
+    assert rc == 2, err
+    assert f"--model '{name}' is a quantized checkpoint" in err, err
+    assert f"warning: --model {name}: the folder ./{name} here, not the demo model" in err, err
+    assert "loading" not in err and not (tmp_path / "o").exists(), err
+
+
+def test_a_demo_name_with_no_such_folder_names_the_demo(tmp_path, monkeypatch):
+    from quantscope._plainchecks import demo_model_name
+    from quantscope.cli.running import command_inputs
+    from quantscope.demo import models
+
+    monkeypatch.chdir(tmp_path)
+    assert demo_model_name("MiniLM") == "minilm" and demo_model_name("./minilm") is None
+    assert tuple(models.DEMO_MODELS) == ("minilm", "smollm2-135m")
+    (tmp_path / "minilm").mkdir()
+    assert demo_model_name("minilm") is None  # the folder here: what resolve_model_path loads
+
+    class Args:
+        model, calib_file, recipe_file = "minilm", None, None
+    assert command_inputs(Args) == ["minilm"]  # so --out may never replace it
