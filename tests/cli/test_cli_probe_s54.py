@@ -3,10 +3,15 @@ a non-UTF-8 ``--out`` name printed, ``--kv-cache`` and a recipe file's option va
 before any forward, pasteable "next:" commands, usage errors in one line, observer names in
 any case, library warnings as ``warning:`` lines, no signed zero, no doubled command name."""
 
+import io
 import json
+import os
+import sys
 
 import pytest
 from cli_helpers import run_cli
+
+from quantscope import cli
 
 transformers = pytest.importorskip("transformers")
 from tiny_models import bert_folder, require_lee_corpus
@@ -70,3 +75,36 @@ def test_a_demo_name_with_no_such_folder_names_the_demo(tmp_path, monkeypatch):
     class Args:
         model, calib_file, recipe_file = "minilm", None, None
     assert command_inputs(Args) == ["minilm"]  # so --out may never replace it
+
+
+def _strict_stream():
+    return io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", newline="\n")
+
+
+def test_a_run_under_a_non_utf8_out_name_prints_its_summary(bert_dir, tmp_path, monkeypatch):
+    """F2: stdout strict, as Python makes it under a UTF-8 locale: the run saved under
+    ``bad<0xff>name`` printed its summary as an encoding error, exit code 2. Its paths print
+    as their bytes now, the "next:" commands as bash's $'...', and the streams are put back
+    (stderr strict too, as a caller of main() may have it)."""
+    out, err = _strict_stream(), _strict_stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    run = os.path.join(str(tmp_path), os.fsdecode(b"bad\xffname"))
+    rc = cli.main(["calibrate", "--model", bert_dir, *FAST, "--out", run])
+    out.flush()
+    err.flush()
+    assert rc == 0, err.buffer.getvalue()
+    assert out.errors == "strict" and err.errors == "strict"
+    assert os.fsencode(f"saving {run}") in err.buffer.getvalue()
+    printed = out.buffer.getvalue()
+    assert os.fsencode(os.path.join(run, "report.md")) in printed, printed
+    assert b"next: quantscope evaluate $'" in printed and b"bad\\xffname'" in printed, printed
+    assert os.path.isfile(os.path.join(run, "report.json"))
+
+
+@pytest.mark.parametrize("path, word", [("runs/a b", "'runs/a b'"),
+                                        (os.fsdecode(b"r/\xff'\\"), "$'r/\\xff\\x27\\x5c'")])
+def test_shell_word_names_the_path_when_pasted(path, word):
+    from quantscope.cli.calibrate import shell_word
+
+    assert shell_word(path) == word

@@ -24,6 +24,7 @@ them in ``--help`` order.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import logging
 import os
@@ -119,6 +120,42 @@ def _quiet_third_parties():
             logger.removeFilter(drop)
 
 
+#: the error handler of a strict stdout or stderr while a command runs (registered then): a
+#: name that is not text (a file name's non-UTF-8 byte, which Python holds as a lone
+#: surrogate) is written as its bytes, as under a C locale; another character the encoding
+#: lacks, backslash-escaped
+_STREAM_ERRORS = "quantscope.cli.names"
+
+
+def _names_as_bytes(error):
+    try:
+        return codecs.lookup_error("surrogateescape")(error)
+    except UnicodeEncodeError:  # (not a surrogate of a byte)
+        return codecs.lookup_error("backslashreplace")(error)
+
+
+@contextlib.contextmanager
+def _printable_streams():
+    """A strict stdout (Python's under a UTF-8 locale; stderr is strict only where a caller
+    made it so) made to print any path while a command runs (:data:`_STREAM_ERRORS`): else
+    a run saved whole under a non-UTF-8 ``--out`` name failed printing its summary, exit
+    code 2. The caller's streams get their own mode back."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+            continue
+        codecs.register_error(_STREAM_ERRORS, _names_as_bytes)
+        with contextlib.suppress(ValueError, OSError):  # (a closed stream: no printing)
+            stream.reconfigure(errors=_STREAM_ERRORS)
+            changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="strict")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -128,7 +165,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    with _quiet_third_parties():
+    with _quiet_third_parties(), _printable_streams():
         try:
             return _run(args)
         finally:  # --threads: the caller's process keeps its own count

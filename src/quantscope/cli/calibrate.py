@@ -110,10 +110,21 @@ def cmd_calibrate(args) -> int:
                  else ""))
     print(f"  calibration {calib.info.get('calibration_seconds', 0):.1f} s, total "
           f"{time.perf_counter() - t0:.1f} s")
-    run = shlex.quote(args.out)  # the commands shown run as pasted into a shell
+    run = shell_word(args.out)  # the commands shown run as pasted into a shell
     print(f"  report: {os.path.join(args.out, 'report.md')}   next: quantscope evaluate {run} | "
           f"quantscope export {run} --out DIR")
     return 0
+
+
+def shell_word(path: str) -> str:
+    """``path`` as one shell word that names it when pasted: quoted as the shell needs
+    (``shlex``), and a name that is not text (a non-UTF-8 byte, held as a lone surrogate,
+    which a terminal would show and copy as U+FFFD) as bash's (and zsh's) ``$'...'``, each
+    byte outside printable ASCII ``\\xNN``."""
+    if not any("\udc80" <= c <= "\udcff" for c in path):
+        return shlex.quote(path)
+    return "$'" + "".join(chr(b) if 32 <= b < 127 and chr(b) not in "'\\" else f"\\x{b:02x}"
+                          for b in os.fsencode(path)) + "'"
 
 
 def save_run(out: str, calib, report, phases, inputs=()) -> None:
