@@ -108,3 +108,18 @@ def test_shell_word_names_the_path_when_pasted(path, word):
     from quantscope.cli.calibrate import shell_word
 
     assert shell_word(path) == word
+
+
+@pytest.mark.parametrize("targets", [[], ["--targets"]], ids=["recipe", "kv-only"])
+def test_kv_cache_on_an_encoder_is_refused_before_any_forward(bert_dir, tmp_path, capsys,
+                                                               targets):
+    """F3: an encoder has no cached attention: ``--kv-cache fp8`` was refused by calibrate,
+    after the float evaluation; with ``--targets`` (the KV cache alone) early but as "no module
+    matches targets []". Now once the model is loaded, naming --kv-cache and why."""
+    rc, _, err = run_cli(capsys, "calibrate", "--model", bert_dir, *targets, "--kv-cache",
+                         "fp8", *FAST, "--out", str(tmp_path / "run"))
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "error: --kv-cache fp8: the model has no attention module" in last, err
+    assert "keeps no KV cache: leave out --kv-cache" in last, err
+    assert "evaluating float" not in err and not (tmp_path / "run").exists(), err

@@ -35,6 +35,7 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
                                              observer or "minmax", {}))
         if args.targets == []:  # `--targets` and no pattern: no layer, the KV cache alone
             rec = replace(rec, rules=())
+    _check_kv_cache(rec, model, getattr(args, "kv_cache", None))
     if args.group_size is not None and R.has_groups(rec):
         rec = R.with_group_size(rec, args.group_size)
     elif args.group_size is not None and not groups_optional:
@@ -49,6 +50,23 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     except ValueError as e:
         raise UsageError(str(e)) from None
     return rec
+
+
+def _check_kv_cache(rec, model, flag: str | None) -> None:
+    """A KV cache needs an attention module whose keys and values a runtime caches: said
+    once the model is loaded, before the float evaluation (calibrate's own check comes after
+    it), naming ``--kv-cache`` (``flag``) where that asked for it."""
+    from ..calibration.structure.kv_cache import attention_modules
+
+    if rec.kv_cache is None or attention_modules(model):
+        return
+    asked = f"--kv-cache {flag}" if flag else f"recipe {rec.name!r} sets kv_cache, but"
+    leave = "leave out --kv-cache" if flag else "take kv_cache out of the recipe"
+    raise UsageError(f"{asked}: the model has no attention module whose keys and values a "
+                     f"runtime caches (k_proj / v_proj / qkv_proj in a causal attention that "
+                     f"takes the cache, as transformers' decoders have); an encoder such as "
+                     f"BERT or MiniLM attends over the whole input at once and keeps no KV "
+                     f"cache: {leave}")
 
 
 def no_groups(rec, size: int) -> str:

@@ -116,7 +116,8 @@ def set_threads(args) -> None:
 def load_setup(args, phases: Phases, prepare=None):
     """Model, calibration batches, evaluator, the float model's metrics, the run's settings
     and ``prepare(model)``: run once the model is loaded, before any forward (the recipe and
-    its check against the model's shapes: a mistake costs seconds, not an evaluation)."""
+    its checks against the model's shapes and attention: a mistake costs seconds, not an
+    evaluation)."""
     from ..demo import data, models
 
     set_threads(args)
