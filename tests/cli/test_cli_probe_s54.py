@@ -123,3 +123,42 @@ def test_kv_cache_on_an_encoder_is_refused_before_any_forward(bert_dir, tmp_path
     assert "error: --kv-cache fp8: the model has no attention module" in last, err
     assert "keeps no KV cache: leave out --kv-cache" in last, err
     assert "evaluating float" not in err and not (tmp_path / "run").exists(), err
+
+
+_PERCENTILE_TEXT = """rules:
+  - targets: [Linear]
+    weight:
+      spec: {format: int8}
+      observer: percentile
+      options: {percentile: "99"}
+"""
+
+
+def test_a_recipe_file_option_value_is_checked_before_the_model_loads(bert_dir, tmp_path,
+                                                                       capsys):
+    """F4: option names were checked up front, their values only by calibrate, after the
+    float evaluation: ``percentile: "99"`` (a string) is refused before the model loads."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_PERCENTILE_TEXT)
+    rc, _, err = run_cli(capsys, "calibrate", "--model", bert_dir, "--recipe-file",
+                         str(recipe), *FAST, "--out", str(tmp_path / "run"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "rules[0].weight: observer 'percentile' with int8" in err, err
+    assert "percentile must be a number in (0, 100], got str '99'" in err, err
+
+
+@pytest.mark.parametrize("text, eps", [("1e-8", 1e-8), ("2E-7", 2e-7), ("1.0e-8", 1e-8),
+                                       ("+5e-6", 5e-6), (".5e-6", 5e-7)])
+def test_a_yaml_float_without_a_dot_reads_as_a_number(tmp_path, text, eps):
+    """F4: YAML 1.1 (PyYAML) reads a hand-written ``eps: 1e-8`` as the string '1e-8', which
+    the recipe refused with no hint; a recipe file reads it as YAML 1.2 and JSON do."""
+    from quantscope.cli.recipes import read_recipe_file
+
+    path = tmp_path / "r.yaml"
+    path.write_text("rules:\n  - targets: [Linear]\n    weight:\n"
+                    f"      spec: {{format: int8, eps: {text}}}\n")
+    assert read_recipe_file(str(path)).rules[0].weight.spec.eps == pytest.approx(eps)
+    path.write_text(f"rules:\n  - targets: [Linear]\n    weight:\n      spec: "
+                    f"{{format: int8, eps: '{text}'}}\n")  # quoted: text, as the user wrote
+    with pytest.raises(Exception, match="QuantSpec.eps must be a positive number"):
+        read_recipe_file(str(path))

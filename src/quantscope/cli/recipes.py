@@ -200,6 +200,12 @@ def _yaml_loader():
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.2's (and JSON's) floats with no dot, 1e-8 and 2E+3, which YAML 1.1 (PyYAML)
+    # reads as text: a hand-written `eps: 1e-8` was refused as the string '1e-8'
+    RecipeLoader.add_implicit_resolver(  # (the subclass's own list: SafeLoader keeps its own)
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"))
     return RecipeLoader
 
 
@@ -253,9 +259,10 @@ def read_recipe_file(path: str):
 
 def _check_observers(rec, path: str):
     """``rec`` with each role's observer as the registry spells it (``Auto`` is auto),
-    checked as ``--observer`` is (closest names, compat classes refused), and its options,
-    before the model loads: calibrate would only meet them after it. A dynamic role's
-    observer computes its qparams at run time: checked too."""
+    checked as ``--observer`` is (closest names, compat classes refused), and its options'
+    names and values (the observer built for the role's spec, as calibrate builds it), before
+    the model loads: calibrate would only meet them after the float evaluation. A dynamic
+    role's observer computes its qparams at run time: checked too."""
     from dataclasses import replace
 
     from ..calibration.role_observers import AUTO, unknown_options
@@ -270,12 +277,29 @@ def _check_observers(rec, path: str):
             raise UsageError(f"--recipe-file {path!r}, {where}: observer {name!r} takes no "
                              f"option {', '.join(map(repr, unknown))} (its options are "
                              f"its class's keyword-only arguments)")
-        return replace(role, observer=name)
+        role = replace(role, observer=name)
+        if name != AUTO:  # (auto's candidates check theirs at calibration)
+            _check_builds(role, f"--recipe-file {path!r}, {where}")
+        return role
 
     rules = tuple(replace(r, **{k: checked(role, f"rules[{i}].{k}")
                                 for k, role in r.roles().items()})
                   for i, r in enumerate(rec.rules))
     return replace(rec, rules=rules, kv_cache=checked(rec.kv_cache, "kv_cache"))
+
+
+def _check_builds(role, where: str) -> None:
+    """``role``'s observer built with its options for the spec it watches (what calibrate
+    and, for a run-time role, the forward build): an option's value it refuses (``percentile:
+    "99"``, a string) is a UsageError naming ``where``."""
+    from ..calibration.run.observe import observed_spec
+    from ..observers.registry import get_observer
+
+    spec = observed_spec(role)
+    try:
+        get_observer(role.observer, spec, **dict(role.options))
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{where}: observer {role.observer!r} with {spec}: {e}") from None
 
 
 def _indivisible(rec, model, policy: str):
