@@ -102,12 +102,26 @@ def test_a_run_under_a_non_utf8_out_name_prints_its_summary(bert_dir, tmp_path, 
     assert os.path.isfile(os.path.join(run, "report.json"))
 
 
-@pytest.mark.parametrize("path, word", [("runs/a b", "'runs/a b'"),
-                                        (os.fsdecode(b"r/\xff'\\"), "$'r/\\xff\\x27\\x5c'")])
+@pytest.mark.parametrize("path, word", [
+    ("runs/a b", "'runs/a b'"), (os.fsdecode(b"r/\xff'\\"), "$'r/\\xff\\x27\\x5c'"),
+    ("-dash", "./-dash"), ("-a b", "'./-a b'"), ("--", "./--"), ("/abs/-x", "/abs/-x")])
 def test_shell_word_names_the_path_when_pasted(path, word):
+    """F5 too: shlex.quote leaves ``-dash`` bare, which the next command reads as an option."""
     from quantscope.cli.calibrate import shell_word
 
     assert shell_word(path) == word
+
+
+def test_the_next_commands_run_as_pasted_with_an_out_that_starts_with_a_dash(
+        bert_dir, tmp_path, monkeypatch, capsys):
+    """F5: ``--out=-dash`` printed ``quantscope evaluate -dash``, which argparse refuses."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(capsys, "calibrate", "--model", bert_dir, *FAST, "--out=-dash")
+    assert rc == 0, err
+    assert "next: quantscope evaluate ./-dash | quantscope export ./-dash --out DIR" in out, out
+    rc, out, err = run_cli(capsys, "evaluate", "./-dash", "--eval-max-length", "8",
+                           "--no-progress", "--threads", "1")
+    assert rc == 0 and "quantscope evaluate: ./-dash/qparams" in out, err
 
 
 @pytest.mark.parametrize("targets", [[], ["--targets"]], ids=["recipe", "kv-only"])

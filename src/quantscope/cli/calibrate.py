@@ -117,10 +117,13 @@ def cmd_calibrate(args) -> int:
 
 
 def shell_word(path: str) -> str:
-    """``path`` as one shell word that names it when pasted: quoted as the shell needs
-    (``shlex``), and a name that is not text (a non-UTF-8 byte, held as a lone surrogate,
-    which a terminal would show and copy as U+FFFD) as bash's (and zsh's) ``$'...'``, each
-    byte outside printable ASCII ``\\xNN``."""
+    """``path`` as one shell word that names it when pasted: ``./`` before a path that starts
+    with ``-`` (else the command reads an option: shlex leaves ``-dash`` bare), quoted as the
+    shell needs (``shlex``), and a name that is not text (a non-UTF-8 byte, held as a lone
+    surrogate, which a terminal would show and copy as U+FFFD) as bash's (and zsh's)
+    ``$'...'``, each byte outside printable ASCII ``\\xNN``."""
+    if path.startswith("-"):
+        path = os.path.join(".", path)
     if not any("\udc80" <= c <= "\udcff" for c in path):
         return shlex.quote(path)
     return "$'" + "".join(chr(b) if 32 <= b < 127 and chr(b) not in "'\\" else f"\\x{b:02x}"
