@@ -6,6 +6,7 @@ any case, library warnings as ``warning:`` lines, no signed zero, no doubled com
 import io
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -176,3 +177,41 @@ def test_a_yaml_float_without_a_dot_reads_as_a_number(tmp_path, text, eps):
                     f"{{format: int8, eps: '{text}'}}\n")  # quoted: text, as the user wrote
     with pytest.raises(Exception, match="QuantSpec.eps must be a positive number"):
         read_recipe_file(str(path))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["calibrate", "--calib-docs", "x"],
+     ("quantscope calibrate: error: argument --calib-docs: invalid int value: 'x' "
+      "(quantscope calibrate --help lists the options)")),
+    (["export", "run"], "quantscope export: error: the following arguments are required: --out"),
+    (["calibrate", "--bogus"], "quantscope: error: unrecognized arguments: --bogus")])
+def test_an_argparse_error_is_one_line_on_stderr(capsys, argv, said):
+    """F6: argparse printed its whole usage block (18 lines for calibrate) before the error."""
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(said) and err.rstrip().endswith("--help lists the options)"), err
+
+
+def test_quantscope_with_no_command_prints_its_help_on_stderr(capsys):
+    """F6: the help went to stdout with exit code 2 (an error's code, an answer's stream)."""
+    rc, out, err = run_cli(capsys)
+    assert rc == 2 and out == "" and err.startswith("usage: quantscope"), (out, err)
+    assert "calibrate" in err and "examples:" in err
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys):
+    """F6: ``--debug`` raised the error out of main (exit code 1 on the command line)."""
+    rc, _, err = run_cli(capsys, "--debug", "calibrate", "--observer", "minmx")
+    assert rc == 2 and err.startswith("Traceback"), err
+    assert err.strip().splitlines()[-1].startswith(
+        "quantscope calibrate: error: unknown observer (--observer) 'minmx'"), err
+
+
+def test_the_command_line_exits_2_under_debug(tmp_path):
+    import quantscope
+
+    src = os.path.dirname(os.path.dirname(quantscope.__file__))  # this checkout's
+    r = subprocess.run([sys.executable, "-m", "quantscope", "--debug", "calibrate",
+                        "--observer", "minmx"], capture_output=True, text=True, check=False,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": src})
+    assert r.returncode == 2 and "Traceback" in r.stderr, r.stderr

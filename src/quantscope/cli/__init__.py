@@ -9,8 +9,9 @@ embedding cosines with 1,225 human scores) and the mean cosine of quantized to f
 embeddings. Calibration text: gensim's Lee background corpus, or ``--calib-file``.
 
 Names (recipes, schemes, observers) and the output folder are checked before anything
-heavy is imported or loaded; an error is one line on stderr and exit code 2 (``--debug``
-shows the traceback). Progress goes to stderr; stdout ends with a short summary.
+heavy is imported or loaded; an error is one line on stderr and exit code 2, argparse's
+too (``--debug`` prints the traceback first); ``quantscope`` alone prints the help on stderr,
+exit code 2. Progress goes to stderr; stdout ends with a short summary.
 
 The package: :mod:`.names` (the names accepted, known without torch), :mod:`.checks`,
 :mod:`.options` (the argument groups the calibrating commands share), :mod:`.running` (model,
@@ -29,6 +30,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 import warnings
 
 from .. import __version__
@@ -52,8 +54,18 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors in the form of every other: one line on stderr, exit
+    code 2 (argparse prints its whole usage first: 18 lines for ``calibrate``), ``--help``
+    named for the rest. Its subcommands' parsers are of this class too (``add_subparsers``)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help "
+                     f"lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="quantscope",
         description="Calibrate a model, compare observers, evaluate, export, plot.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -162,8 +174,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the usage error (2) or --help (0): the code
         return e.code if isinstance(e.code, int) else int(e.code is not None)
-    if args.command is None:
-        parser.print_help()
+    if args.command is None:  # a usage error whose answer is the help: on stderr, exit 2
+        parser.print_help(sys.stderr)
         return 2
     with _quiet_third_parties(), _printable_streams():
         try:
@@ -203,9 +215,9 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print(f"quantscope {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # one line, exit 2; --debug shows where
+    except Exception as e:  # noqa: BLE001 -- every error: one line, exit 2 (--debug: where)
         if args.debug:
-            raise
+            traceback.print_exc()
         where = f" (rank {args.rank})" if args.world > 1 else ""
         msg = " ".join(str(e).split()) or type(e).__name__  # every line of it, as one
         if len(msg) > 500:
