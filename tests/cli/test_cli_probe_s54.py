@@ -215,3 +215,24 @@ def test_the_command_line_exits_2_under_debug(tmp_path):
                         "--observer", "minmx"], capture_output=True, text=True, check=False,
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": src})
     assert r.returncode == 2 and "Traceback" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["calibrate", "--observer", "MSE"], ["calibrate", "--weight-observer", "Percentile"],
+    ["calibrate", "--input-observer", "MinMax"],
+    ["compare", "--observers", "MinMax,MSE,Auto", "--no-plots"]])
+def test_observer_names_are_read_in_any_case(tmp_path, capsys, argv):
+    """F7: ``--recipe`` and ``--scheme`` (and a recipe file's observers) read any case,
+    ``--observer`` / ``--observers`` did not. The names pass: the next check is --model's."""
+    rc, _, err = run_cli(capsys, *argv, "--model", str(tmp_path / "none"), "--out",
+                         str(tmp_path / "run"))
+    assert rc == 2 and "error: --model" in err and "does not exist" in err, err
+
+
+def test_observer_names_in_another_case_are_one_name_and_suggested(capsys):
+    rc, _, err = run_cli(capsys, "compare", "--observers", "mse,MSE")
+    assert rc == 2 and "--observers names 'mse' more than once" in err, err
+    rc, _, err = run_cli(capsys, "calibrate", "--observer", "MINMX")
+    assert rc == 2 and "did you mean 'minmax'" in err, err
+    rc, _, err = run_cli(capsys, "compare", "--recipes", "W8a8")  # exact spelling: both
+    assert rc == 2 and "did you mean 'w8a8' or 'W8A8'" in err, err

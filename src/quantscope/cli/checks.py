@@ -18,11 +18,16 @@ class UsageError(Exception):
 
 
 def suggest(name: str, names, shown: int | None = None) -> str:
-    """The closest of ``names`` as a question, else the names (the first ``shown`` of them)."""
+    """The closest of ``names`` as a question, else the names (the first ``shown`` of them).
+    Compared in any case (``MSE`` is close to ``mse``; difflib's own ratio is case-sensitive),
+    each offered as spelt (``w8a8`` and ``W8A8``, where a list holds both)."""
     names = list(names)
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    spelt = {}
+    for n in names:
+        spelt.setdefault(n.lower(), []).append(n)
+    close = difflib.get_close_matches(name.lower(), list(spelt), n=3, cutoff=0.5)
     if close:
-        return f"did you mean {' or '.join(repr(c) for c in close)}?"
+        return f"did you mean {' or '.join(repr(n) for c in close for n in spelt[c])}?"
     more = f" and {len(names) - shown} more" if shown is not None and len(names) > shown else ""
     return f"expected one of {', '.join(names[:shown])}{more}"
 
@@ -43,15 +48,16 @@ def check_name(name: str, names, what: str, fold=str.lower) -> str:
 RECIPE_OBSERVERS = tuple(n for n in OBSERVER_NAMES if ":" not in n)
 
 
-def check_observer_name(name: str, what: str, fold=str) -> str:
-    """An observer a recipe's role runs (:data:`RECIPE_OBSERVERS`), as the registry spells it;
-    a compat class's name is refused as such (calibrate would refuse it only after the model
-    loads, in the Python API's words)."""
-    if ":" in name and fold(name) in map(fold, OBSERVER_NAMES):
+def check_observer_name(name: str, what: str) -> str:
+    """An observer a recipe's role runs (:data:`RECIPE_OBSERVERS`), given in any case (as
+    ``--recipe`` and ``--scheme`` are), as the registry spells it; a compat class's name is
+    refused as such (calibrate would refuse it only after the model loads, in the Python API's
+    words)."""
+    if ":" in name and name.lower() in map(str.lower, OBSERVER_NAMES):
         raise UsageError(f"{what} {name!r} is a compat class, configured by its toolkit's own "
                          f"arguments (no spec); a recipe runs quantscope's native observers: "
                          f"{', '.join(RECIPE_OBSERVERS)}")
-    return check_name(name, RECIPE_OBSERVERS, what, fold)
+    return check_name(name, RECIPE_OBSERVERS, what)  # (check_name folds to lower case)
 
 
 def check_recipe_name(name: str, kind: str | None = None) -> str:

@@ -271,7 +271,7 @@ def _check_observers(rec, path: str):
         if role is None:
             return None
         name = check_observer_name(role.observer, f"observer (--recipe-file {path!r}, "
-                                                  f"{where})", str.lower)  # any case
+                                                  f"{where})")  # any case
         unknown = unknown_options(name, dict(role.options)) if name != AUTO else ()
         if unknown:  # auto's candidates check theirs
             raise UsageError(f"--recipe-file {path!r}, {where}: observer {name!r} takes no "
