@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 from cli_helpers import run_cli
@@ -236,3 +237,21 @@ def test_observer_names_in_another_case_are_one_name_and_suggested(capsys):
     assert rc == 2 and "did you mean 'minmax'" in err, err
     rc, _, err = run_cli(capsys, "compare", "--recipes", "W8a8")  # exact spelling: both
     assert rc == 2 and "did you mean 'w8a8' or 'W8A8'" in err, err
+
+
+def test_library_warnings_are_warning_lines(bert_dir, tmp_path, capsys, monkeypatch):
+    """F8: a library warning reached the user as ``<frozen runpy>:88: UserWarning: ...``.
+    Shown here as Python shows one outside a recorder (pytest records them): formatted by
+    ``warnings.formatwarning``, onto stderr."""
+    before = warnings.formatwarning
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno,
+                        file=None, line=None: sys.stderr.write(warnings.formatwarning(
+                            message, category, filename, lineno, line)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc, _, err = run_cli(capsys, "calibrate", "--model", bert_dir, *FAST, "--keep-float",
+                             "1000", "--out", str(tmp_path / "run"))
+    assert rc == 0, err
+    assert "\nwarning: keep_float: 1000 activations asked for" in err, err
+    assert "UserWarning" not in err, err
+    assert warnings.formatwarning is before  # the caller's, back

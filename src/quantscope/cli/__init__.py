@@ -132,6 +132,28 @@ def _quiet_third_parties():
             logger.removeFilter(drop)
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line's own: ``warning: <message>``, one line (not Python's
+    ``<frozen runpy>:88: UserWarning: ...``, whose location means nothing to a user of the
+    command); a category other than UserWarning is named."""
+    kind = "" if category is UserWarning else f"{category.__name__}: "
+    return f"warning: {kind}{' '.join(str(message).split())}\n"
+
+
+@contextlib.contextmanager
+def _warning_lines():
+    """Warnings shown as :func:`_warning_line` says while a command runs: Python's
+    ``warnings.formatwarning``, so that a caller recording them (``catch_warnings(record=True)``,
+    ``pytest.warns``) still gets them; the caller's comes back after."""
+    before = warnings.formatwarning
+    warnings.formatwarning = _warning_line
+    try:
+        yield
+    finally:
+        if warnings.formatwarning is _warning_line:  # (else the command's own, left as set)
+            warnings.formatwarning = before
+
+
 #: the error handler of a strict stdout or stderr while a command runs (registered then): a
 #: name that is not text (a file name's non-UTF-8 byte, which Python holds as a lone
 #: surrogate) is written as its bytes, as under a C locale; another character the encoding
@@ -177,7 +199,7 @@ def main(argv=None) -> int:
     if args.command is None:  # a usage error whose answer is the help: on stderr, exit 2
         parser.print_help(sys.stderr)
         return 2
-    with _quiet_third_parties(), _printable_streams():
+    with _quiet_third_parties(), _printable_streams(), _warning_lines():
         try:
             return _run(args)
         finally:  # --threads: the caller's process keeps its own count
