@@ -32,7 +32,7 @@ def test_a_kv_cache_only_run_is_refused_on_another_checkpoint(llama_dir, tmp_pat
     rc, _, err = run_cli(capsys, "export", run, "--model", str(other), "--out",
                          str(tmp_path / "ct"))
     last = err.strip().splitlines()[-1]
-    assert rc == 2 and last.startswith(f"quantscope export: error: export: {said}"), err
+    assert rc == 2 and last.startswith(f"quantscope export: error: {said}"), err
     assert last.endswith("calibration.without_fingerprints(), --allow-other-weights)"), err
     assert not (tmp_path / "ct").exists()
     rc, _, err = run_cli(capsys, "evaluate", run, "--model", str(other))

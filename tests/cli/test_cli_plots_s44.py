@@ -105,10 +105,10 @@ NO_RANGE = "(weight-only, dynamic inputs or kept in float)"
 
 
 @pytest.mark.parametrize("flags,said", [
-    ([], ("plot: none of the report's recipes (W8A8, w4a16) has a static input clipping range "
+    ([], ("none of the report's recipes (W8A8, w4a16) has a static input clipping range "
           f"of a layer with a histogram {NO_RANGE}")),
     (["--recipe", "W8A8", "--layer", "l"],
-     (f"plot: recipe 'W8A8' has no static input clipping range of layer 'l' {NO_RANGE}; "
+     (f"recipe 'W8A8' has no static input clipping range of layer 'l' {NO_RANGE}; "
       "recipes with one: w8a8"))])
 def test_plot_refuses_a_histogram_with_no_range_saying_why(tmp_path, capsys, flags, said):
     """`plot --recipe W8A8 --layer l` drew l's histogram with no clipping range, without a

@@ -255,3 +255,15 @@ def test_library_warnings_are_warning_lines(bert_dir, tmp_path, capsys, monkeypa
     assert "\nwarning: keep_float: 1000 activations asked for" in err, err
     assert "UserWarning" not in err, err
     assert warnings.formatwarning is before  # the caller's, back
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["evaluate", "nope"], "quantscope evaluate: error: 'nope' is not a folder"),
+    (["export", "nope", "--out", "x"], "quantscope export: error: 'nope' is not a folder"),
+    (["plot", "nope"], "quantscope plot: error: 'nope' is not a compare run"),
+    (["check", "nope"], "quantscope check: error: 'nope' is not a model folder")])
+def test_an_error_line_names_its_command_once(tmp_path, monkeypatch, capsys, argv, said):
+    """F9: ``quantscope evaluate: error: evaluate: 'nope' is not a folder``."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and err.startswith(said), err

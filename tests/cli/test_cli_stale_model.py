@@ -42,7 +42,7 @@ def test_a_model_folder_resaved_with_other_weights_is_refused(llama_dir, tmp_pat
             "recorded): the model was re-saved, fine-tuned, or smoothed in place")
     rc, _, err = run_cli(capsys, "export", run, "--out", str(tmp_path / "ct2"))
     assert rc == 2 and err.strip().splitlines()[-1].startswith(
-        "quantscope export: error: export: model.layers.0.self_attn.q_proj.weight "), err
+        "quantscope export: error: model.layers.0.self_attn.q_proj.weight "), err
     assert said in err, err
     assert not (tmp_path / "ct2").exists()
     rc, _, err = run_cli(capsys, "evaluate", run, "--no-progress")

@@ -242,6 +242,7 @@ def _run(args) -> int:
             traceback.print_exc()
         where = f" (rank {args.rank})" if args.world > 1 else ""
         msg = " ".join(str(e).split()) or type(e).__name__  # every line of it, as one
+        msg = msg.removeprefix(f"{args.command}: ")  # named once: "quantscope export: error:"
         if len(msg) > 500:
             msg = msg[:500] + " ... (--debug shows all)"
         kind = "" if isinstance(e, (UsageError, FileNotFoundError, ValueError)) else (
