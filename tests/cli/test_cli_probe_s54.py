@@ -257,6 +257,21 @@ def test_library_warnings_are_warning_lines(bert_dir, tmp_path, capsys, monkeypa
     assert warnings.formatwarning is before  # the caller's, back
 
 
+def test_a_change_that_rounds_to_zero_has_no_sign():
+    """F9: the first documented command printed ``(-0.0000)``; a perplexity ``+0.0 %``."""
+    from quantscope.cli.running import metric_line
+
+    assert metric_line("lee_r", 0.65641, 0.65639).endswith("(0.0000)")
+    assert metric_line("lee_r", 0.6564, 0.6601).endswith("(+0.0037)")
+    assert metric_line("perplexity", 49565.96, 49569.14).endswith("(+3.18, 0.0 %)")
+    assert metric_line("perplexity", 40.0, 39.0).endswith("(-1.00, -2.5 %)")
+    headers, rows = cli.compare_rows({
+        "fp32": {"lee_r": 0.65641, "cosine": 1.0},
+        "runs": {"w8a8/minmax": {"recipe": "w8a8", "observer": "minmax", "summary": {},
+                                 "metrics": {"lee_r": 0.65639, "cosine": 0.99}}}})
+    assert rows[1][headers.index("r - fp32")] == "0.0000"
+
+
 @pytest.mark.parametrize("argv, said", [
     (["evaluate", "nope"], "quantscope evaluate: error: 'nope' is not a folder"),
     (["export", "nope", "--out", "x"], "quantscope export: error: 'nope' is not a folder"),

@@ -23,7 +23,7 @@ from .checks import (
 )
 from .options import add_common, add_recipes_args
 from .recipes import build_recipe
-from .running import Phases, calibration_options, command_inputs, load_setup
+from .running import Phases, calibration_options, command_inputs, load_setup, signed
 
 
 def add_compare_parser(sub) -> None:
@@ -81,7 +81,7 @@ def compare_rows(report: dict) -> tuple[list[str], list[list]]:
     causal = "perplexity" in fp
     # a metric that was NaN or inf is None in the report (strict JSON): printed "-"
     f = lambda v, d: "-" if v is None else f"{v:.{d}f}"
-    delta = lambda v, ref, d: "-" if v is None or ref is None else f"{v - ref:+.{d}f}"
+    delta = lambda v, ref, d: "-" if v is None or ref is None else signed(v - ref, d)
     tail_headers = ["calib s", "weight SQNR dB", "input SQNR dB", "input clipped %",
                     "auto chose (weight; input)"]
     if causal:

@@ -93,8 +93,15 @@ def metric_line(primary: str, fp: float, q: float) -> str:
     if math.isnan(q - fp):
         return f"{line} (change undefined)"
     if primary == "perplexity":
-        return f"{line} ({q - fp:+.2f}, {100 * (q / fp - 1):+.1f} %)"
-    return f"{line} ({q - fp:+.4f})"
+        return f"{line} ({signed(q - fp, 2)}, {signed(100 * (q / fp - 1), 1)} %)"
+    return f"{line} ({signed(q - fp, 4)})"
+
+
+def signed(change: float, digits: int) -> str:
+    """A change with its sign (``+0.0037``), none where it rounds to zero: ``0.0000``, not
+    ``-0.0000`` (a change of -0.00002) nor ``+0.0 %``."""
+    text = f"{change:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text
 
 
 def spread(docs: list, n: int) -> list:
