@@ -412,12 +412,13 @@ def test_kernel_on_large_inputs(E, monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("E", [16, 24, 100])
+@pytest.mark.parametrize("E", [4, 16, 24, 100])
 def test_kernel_blocks_equal_torch(E, dtype, threads, monkeypatch):
     """The kernel stages each share's min / max in blocks (csrc/unit_minmax.c, block_units:
-    256 float32 units, whole widening pieces of half rows): shares of several blocks and a
-    tail give torch's results, a NaN row and the ends too; a fused state update that keeps
-    no lo / hi (the cached observer step's call) updates the state as torch's ops do."""
+    256 float32 units, whole widening pieces of half rows: 512 units of 4, so the staging
+    buffers hold a piece, not 256 units): shares of several blocks and a tail give torch's
+    results, a NaN row and the ends too; a fused state update that keeps no lo / hi (the
+    cached observer step's call) updates the state as torch's ops do."""
     monkeypatch.setattr(stats, "THREAD_MIN_NUMEL", 1)
     U = 2 * 1000 + 3  # shares of 1001 / 1002 units on 2 threads: blocks and a tail each
     u = rand(U, E, seed=E).to(dtype)
@@ -442,6 +443,23 @@ def test_kernel_blocks_equal_torch(E, dtype, threads, monkeypatch):
     assert lo[700].isnan() and ends.isnan().all()
     assert torch.equal(slo.nan_to_num(7.0), want_lo.nan_to_num(7.0))
     assert torch.equal(shi.nan_to_num(7.0), want_hi.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_one_unit_state_update_keeps_no_lo_hi(dtype):
+    """One unit split over two threads (a per-tensor range), its state updated with lo / hi
+    NULL (the cached step's call): the state as torch's update of the unit's min / max, the
+    ends too (one_unit keeps the min / max in locals, not through the NULL pointers)."""
+    u = rand(1, 5000, seed=3).to(dtype)
+    slo, shi = torch.tensor([-0.5]), torch.tensor([0.5])
+    want_lo, want_hi = slo.clone(), shi.clone()
+    stats.update_state("ema", 0.25, want_lo, want_hi, *stats.torch_unit_minmax(u))
+    ends = torch.empty(2)
+    stats._kernel().qs_unit_minmax(u.data_ptr(), 1, 5000, None, None, ends.data_ptr(), 2,
+                                   stats.UPDATES["ema"], 0.25, slo.data_ptr(), shi.data_ptr(),
+                                   stats.KERNEL_DTYPES[dtype])
+    assert torch.equal(slo, want_lo) and torch.equal(shi, want_hi)
+    assert torch.equal(ends, torch.stack([u.float().min(), u.float().max()]))
 
 
 @pytest.mark.parametrize("U, E", [(7, 4096), (64, 16), (3, 100)])
