@@ -22,6 +22,7 @@ from quantscope.compat import horizon, quark, torch_ao
 from quantscope.compat import llmcompressor_legacy as llmc
 from quantscope.compat.modelopt import MaxCalibrator
 from quantscope.observers import MemorylessMinMaxObserver, StaticMinMaxObserver
+from quantscope.observers.histogram import PercentileObserver
 from quantscope.observers.minmax import MovingAverageMinMaxObserver
 from quantscope.presets import NVFP4
 
@@ -62,6 +63,8 @@ MAKERS["quark-PerGroupMinMaxObserver"] = lambda: quark.PerGroupMinMaxObserver(GR
 for name in ("PerTensorHistogramObserver", "PerTensorPercentileObserver",
              "PerTensorMSEObserver", "PerTensorHistogramObserverPro"):
     MAKERS[f"quark-{name}"] = lambda name=name: getattr(quark, name)({"dtype": "int8"})
+# a native per-tensor histogram observer (the cached histogram step: its plans stay behind too)
+MAKERS["percentile"] = lambda: PercentileObserver(QuantSpec("int8", Tensor()))
 MAKERS["quark-PlaceholderObserver"] = lambda: quark.PlaceholderObserver({"dtype": "bfloat16"})
 
 
@@ -114,7 +117,10 @@ def test_copies_after_cpu_batches_hold_the_state(make, how):
     back = loaded(obs, how)
     # nothing of the kept ends travels (weak references to the original's tensors)
     assert back.__dict__.get("_state_ends") is None
-    assert "_scratch" not in back.__dict__  # nor the scratch pair (remade on the next call)
+    # nor the scratch pair, the pending ends or the cached steps' plans (remade on next call)
+    for name in ("_scratch", "_pending_ends", "_cpu_plans", "_cpu_ends", "_hist_plans",
+                 "_hist_scratch", "_first_plans", "_first_scratch"):  # (step_cache.CACHES)
+        assert name not in back.__dict__, name
     same(back, obs)
     for i in (3, 4):
         x = g(i, 8, 64)

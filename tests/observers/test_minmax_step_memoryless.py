@@ -177,3 +177,17 @@ def test_declared_overrides_run_where_the_base_steps_would():
     for i in range(3):
         obs(g(i, 8, 64))
     assert "_cpu_plans" not in obs.__dict__
+
+    calls = []
+
+    class NamesItsObserve(MemorylessMinMaxObserver):  # its own word, for a step no plan runs
+        _step_overrides = ("_observe",)
+
+        def _observe(self, units, lo, hi):
+            calls.append(1)
+            super()._observe(units, lo, hi)
+
+    obs = NamesItsObserve(QuantSpec("int8", Tensor()))
+    for i in range(3):
+        obs(g(i, 8, 64))
+    assert len(calls) == 3 and "_cpu_plans" not in obs.__dict__  # only PLAN_CHECKED steps
