@@ -1,0 +1,58 @@
+"""The llm-compressor plugin's errors quote the recipe's args as a recipe writes them
+(``integrations.llmcompressor.recipe_args``): a block scheme's ``block_structure`` named (two
+block schemes told apart), a field the recipe left unset left out (not ``group_size: None``,
+which a recipe cannot hold). Pins mutants IN08 and IN11 of mutation round s55. Runs in the
+peers' venv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.peers
+
+pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs
+from llmcompressor.observers import Observer
+
+from quantscope.integrations.llmcompressor import recipe_args
+
+
+@pytest.mark.parametrize("args, base_name, text", [
+    (QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
+     "weight",
+     "weights {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}"),
+    (QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="block",
+                      block_structure=[128, 64]), "weight",
+     ("weights {num_bits: 8, type: int, symmetric: false, strategy: block, "
+      "block_structure: [128, 64]}")),
+    (QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True), "input",
+     "input_activations {num_bits: 8, type: float, symmetric: true, strategy: token}"),
+    (QuantizationArgs(num_bits=8, type="int", strategy="channel"), "output",
+     "output_activations {num_bits: 8, type: int, symmetric: true, strategy: channel}"),
+    (QuantizationArgs(num_bits=8, type="float", strategy="tensor"), "k",
+     "k {num_bits: 8, type: float, symmetric: true, strategy: tensor}")],
+    ids=["group", "block", "token", "output", "kv"])
+def test_recipe_args_are_written_as_a_recipe_writes_them(args, base_name, text):
+    assert recipe_args(args, base_name) == text
+
+
+def test_a_block_schemes_error_names_its_block_structure():
+    """quantscope_linear_mse searches symmetric ranges only: refused in the recipe's words."""
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="block",
+                            block_structure=[128, 128])
+    with pytest.raises(ValueError) as e:
+        Observer.load_from_registry("quantscope_linear_mse", base_name="weight", args=args)
+    assert "strategy: block, block_structure: [128, 128]}" in str(e.value), str(e.value)
+
+
+def test_a_nan_errors_args_leave_unset_fields_out():
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
+    obs = Observer.load_from_registry("quantscope_static_minmax", base_name="input", args=args)
+    obs(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="observed NaN or inf") as e:
+        obs.get_qparams()
+    text = str(e.value)
+    assert ("input_activations {num_bits: 8, type: float, symmetric: true, strategy: tensor}"
+            in text), text
+    assert "None" not in text and "block_structure" not in text, text
