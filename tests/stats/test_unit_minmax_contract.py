@@ -46,3 +46,18 @@ def test_a_fused_update_with_ends_keeps_no_per_unit_pair():
     assert torch.equal(slo, units.amin(1)) and torch.equal(shi, units.amax(1))
     assert ends.tolist() == [float(units.min()), float(units.max())]
     assert slo._version > v[0] and shi._version > v[1]
+
+
+@pytest.mark.parametrize("path", [pytest.param("kernel", marks=needs_kernel), "torch"])
+@pytest.mark.parametrize("update", [False, True], ids=["ends", "ends+update"])
+def test_the_callers_ends_are_bumped_as_written(monkeypatch, path, update):
+    """``ends`` is the caller's tensor, written on either path: torch's copy_ bumped it, the
+    kernel's pass did not (as the histogram kernel's does)."""
+    if path == "torch":
+        monkeypatch.setattr(stats, "_kernel", lambda: None)
+    units = torch.randn(64, 128)
+    ends = torch.empty(2)
+    v = ends._version
+    stats.unit_minmax(units, None, ends, ("min", 0.0, *_state(units)) if update else None)
+    assert ends.tolist() == [float(units.min()), float(units.max())]
+    assert ends._version > v

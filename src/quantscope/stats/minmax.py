@@ -251,6 +251,9 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
     on the kernel path; the returned ``lo`` / ``hi`` are then scratch, and where ``ends`` is
     given too the kernel path writes none: ``(None, None)`` (the state and ``ends`` hold all
     the call keeps; writing them would cost as much as the reads for short rows).
+
+    A caller's tensor the call writes (``out``, ``ends``, the state) has its version counter
+    bumped on either path, as in-place torch ops would: one autograd saved then raises.
     """
     U, E = units.shape
     if E == 0:  # (the C kernels divide their rows by E; torch raises an IndexError)
@@ -290,7 +293,8 @@ def unit_minmax(units: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | No
         slo, shi = slo.data_ptr(), shi.data_ptr()
     kernel_pass(lib, units.data_ptr(), U, E, lo_p, hi_p, scratch.data_ptr(), mode, c, slo, shi,
                 KERNEL_DTYPES[units.dtype])
-    increment_version(written)  # written by the C, as in-place torch ops would (one call)
+    # written by the C, as in-place torch ops would (one call); the caller's ends too
+    increment_version(written if ends is None else (*written, ends))
     return lo, hi
 
 
