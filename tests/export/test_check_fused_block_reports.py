@@ -14,7 +14,7 @@ import warnings
 import torch
 from safetensors.torch import save_file
 
-from quantscope.exporters.consistency import check, warn_block_problems
+from quantscope.exporters.consistency import check, warn_fused_problems
 
 torch.set_num_threads(1)
 
@@ -52,7 +52,7 @@ def _qkv(i, k_rows=64):
 def _warned(folder):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warn_block_problems(folder)
+        warn_fused_problems(folder)
     return [str(w.message) for w in caught]
 
 

@@ -41,7 +41,7 @@ from ..formats import FloatFormat, IntFormat, named
 from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import atomic_dir, check_writable_target
-from .consistency import warn_block_problems
+from .consistency import warn_fused_problems
 from .ct_compress import annotate, compress, ct_compressor, save_here
 from .experts import unfuse_experts
 from .registry import register
@@ -445,7 +445,7 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         compressor.update_config(tmp)
         annotate(tmp, calibration, lossy.notes, source, work)
         warn_unservable(tmp, checkpoint_names(work, embedding_layers(work)).values())
-        warn_block_problems(tmp)
+        warn_fused_problems(tmp)
         if source is not None:
             copied += copy_extras(source, tmp)
     return path

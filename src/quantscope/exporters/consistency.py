@@ -46,7 +46,8 @@ from .read_checks import (
 )
 from .serving import describe, quantized, resolver, scheme_args, unservable
 
-__all__ = ["FUSED", "block_problems", "check", "format_problems", "warn_block_problems"]
+__all__ = ["FUSED", "block_problems", "check", "format_problems", "split_problems",
+           "warn_fused_problems"]
 
 #: the runtime's fused layers: fused name -> the shard names it concatenates
 FUSED: dict[str, tuple[str, ...]] = {
@@ -173,16 +174,34 @@ def block_problems(qc: dict, entries) -> list[dict]:
             and (p := _block_problem(group, layers, entries, block_rows_of))]
 
 
-def warn_block_problems(folder) -> None:
-    """One warning (the first fused layer and how many more) for :func:`block_problems` in
-    ``folder``; the export writes the folder all the same (transformers and
-    compressed-tensors load it)."""
+def _split_problem(group: str, every: list[str], layers: list[str]) -> dict | None:
+    """The fused ``group`` (its shards ``every``) of which only some shards (``layers``) are
+    quantized, as an ignore list that holds some of them leaves it: vLLM gives the fused layer
+    one scheme and refuses the checkpoint."""
+    if not layers or len(layers) == len(every):
+        return None
+    return {"group": group, "layers": every, "tensor": "weight", "values": {},
+            "float": [x for x in every if x not in layers]}
+
+
+def split_problems(entries) -> list[dict]:
+    """:func:`_split_problem` of every fused layer of the checkpoint (its tensors' ``entries``,
+    :func:`~.read_checks.safetensors_headers`)."""
+    return [p for group, every, layers in _fused(entries)
+            if (p := _split_problem(group, every, layers))]
+
+
+def warn_fused_problems(folder) -> None:
+    """One warning (the first fused layer and how many more) for :func:`split_problems` and
+    one for :func:`block_problems` in ``folder``; the export writes the folder all the same
+    (transformers and compressed-tensors load it, vLLM does not)."""
     _, _, qc = read_quant_config(folder, "export compressed-tensors")
-    found = block_problems(qc, safetensors_headers(folder, "export compressed-tensors"))
-    if found:
-        more = f" (and {len(found) - 1} more fused layers)" if len(found) > 1 else ""
-        warnings.warn(f"export compressed-tensors: {format_problems(found[:1])}{more}; "
-                      f"transformers and compressed-tensors load it", stacklevel=3)
+    entries = safetensors_headers(folder, "export compressed-tensors")
+    for found in (split_problems(entries), block_problems(qc, entries)):
+        if found:
+            more = f" (and {len(found) - 1} more fused layers)" if len(found) > 1 else ""
+            warnings.warn(f"export compressed-tensors: {format_problems(found[:1])}{more}; "
+                          f"transformers and compressed-tensors load it", stacklevel=3)
 
 
 def _held_once(leaf: str, layers, entries, strategy) -> bool:
@@ -305,9 +324,8 @@ def check(path) -> list[dict]:
     problems += _scale_problems(entries)
     problems += block_problems(qc, entries)
     for group, every, layers in _fused(entries):
-        if layers and len(layers) < len(every):  # the ignore list split the group
-            problems.append({"group": group, "layers": every, "tensor": "weight",
-                             "values": {}, "float": [x for x in every if x not in layers]})
+        if split := _split_problem(group, every, layers):  # the ignore list split it
+            problems.append(split)
         if len(layers) < 2:
             continue
         if mixed := _scheme_problem(group, layers, scheme):
