@@ -37,7 +37,6 @@ from .ct_match import match_named, precedence, winners
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
-    ZERO_POINTS,
     check_kv_scheme,
     compressor,
     exact_pattern,
@@ -54,6 +53,7 @@ from .read_checks import (
     storage_problem,
     unexpected_qparam,
 )
+from .read_refusals import KV_SCALE, refuse_unread
 from .registry import register_reader
 
 __all__ = ["read_compressed_tensors"]
@@ -116,9 +116,6 @@ def _meta_model(path: str, config: dict, tensors: int):
         return model, unfuse_for_reading(model)
 
 
-_KV_SCALE = {"k_scale": "key", "v_scale": "value"}
-
-
 def _read_kv_cache(args, tensors, states, model):
     """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
     (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme). Each
@@ -138,11 +135,11 @@ def _read_kv_cache(args, tensors, states, model):
     read = {}
     for key, value in tensors.items():
         name = key.rpartition(".")[2]
-        if name in _KV_SCALE:
+        if name in KV_SCALE:
             layer = kv_scale_layer(key, modules, attention, "from_compressed_tensors")
             qp = QParams(_qparam(value, qshape, layer, name, spec),
                          torch.zeros(qshape, dtype=torch.int32))
-            read.setdefault(layer, {})[_KV_SCALE[name]] = RoleState(
+            read.setdefault(layer, {})[KV_SCALE[name]] = RoleState(
                 spec, observer, observer, False, qparams=qp)
     unscaled = sorted(set(attention) - set(read))
     if unscaled:  # the runtime quantizes every cache with the one scheme; apply() could not
@@ -150,7 +147,7 @@ def _read_kv_cache(args, tensors, states, model):
                          f"attention modules {unscaled[:3]}{' ...' if len(unscaled) > 3 else ''}"
                          f" have no k_scale / v_scale")
     for layer, roles in read.items():
-        missing = [name for name, role in _KV_SCALE.items() if role not in roles]
+        missing = [name for name, role in KV_SCALE.items() if role not in roles]
         if missing:
             raise ValueError(f"from_compressed_tensors: {layer} has no {missing[0]} beside "
                              f"its other KV-cache scale")
@@ -327,7 +324,7 @@ def _read_layer(name, module, gname, part, qconfig, layers, model, cfg_path):
                          f"{_stray(layers, model)}")
     keep = {n for n, _ in module.named_parameters(recurse=False)} | \
         {n for n, _ in module.named_buffers(recurse=False)} | \
-        (set(_KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
+        (set(KV_SCALE) if qconfig.kv_cache_scheme is not None else set())
     try:
         why = unexpected_qparam(local, roles, specs, keep) or _moved_columns(local, specs)
         if why:
@@ -365,24 +362,6 @@ def _stray(layers, model) -> str:
     return "" if stray is None else (
         f"; the folder's {stray!r} names no module of the model built from config.json "
         f"(another toolkit's layer names?)")
-
-
-def _refuse_unread(tensors, grouped, kv_cache, path):
-    """A quantization tensor that no read module owns (a layer the model lacks, one the
-    targets miss, a KV-cache scale without a ``kv_cache_scheme``) would be dropped without a
-    word: refuse instead. ``grouped``: the layers the config groups read (their tensors are
-    checked there); the KV-cache scales of a scheme are checked by :func:`_read_kv_cache`."""
-    for key in tensors:
-        layer, _, leaf = key.rpartition(".")
-        if layer in grouped or (kv_cache is not None and leaf in _KV_SCALE):
-            continue
-        if leaf in _KV_SCALE:
-            raise ValueError(f"from_compressed_tensors: {path}: tensor {key!r} is a KV-cache "
-                             f"scale, but quantization_config has no kv_cache_scheme")
-        if leaf in SCALE_LEAVES or leaf in ZERO_POINTS:
-            raise ValueError(
-                f"from_compressed_tensors: {path}: tensor {key!r} belongs to no layer of the "
-                f"model built from config.json that the config groups' targets match")
 
 
 def _module_names(model, tensors: dict, qconfig) -> dict:
@@ -480,7 +459,7 @@ def read_compressed_tensors(path):
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")
-    _refuse_unread(tensors, grouped, kv_cache, path)
+    refuse_unread(tensors, grouped, kv_cache, path)
     _warn_run_time_mx(states, path)
     # the per-expert states back onto the model's 3-D experts, as calibrate named them
     states = fuse_expert_states(experts, states, f"from_compressed_tensors: {path}")

@@ -1,0 +1,81 @@
+"""Reading back attention quantization quantscope does not run (probe s55).
+
+compressed-tensors writes ``q_scale`` beside ``k_scale`` / ``v_scale`` on an attention module a
+config group targets (``initialize_attn_qparams``), and vLLM's attention reads ``q_scale`` and
+``prob_scale`` (its fp8 attention quantizes the query and the softmax output with them).
+quantscope's KV cache quantizes keys and values only: the reader dropped both tensors without
+a word, where docs/guide/deploy.md promises "refused, never dropped"."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from quantscope.calibration import Calibration, calibrate, preset
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from safetensors.torch import load_file, save_file
+from tiny_models import llama
+
+torch.set_num_threads(1)
+
+ATTN = "model.layers.{}.self_attn"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """A tiny Llama's fp8 export with a KV cache, and one without."""
+    model, batches = llama()
+    root = tmp_path_factory.mktemp("ct")
+    out = {}
+    for name, kv in (("kv", "fp8"), ("plain", None)):
+        recipe = preset("fp8", ignore=["lm_head"], kv_cache=kv)
+        calibrate(model, batches, recipe, progress=False).export(model, root / name)
+        out[name] = root / name
+    return out
+
+
+def _edited(src, dst, tensors=None, config=None):
+    shutil.copytree(src, dst)
+    (f,) = dst.glob("*.safetensors")
+    if tensors:
+        t = load_file(f)
+        tensors(t)
+        save_file(t, f, metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _add(leaf):
+    def edit(t):
+        for i in range(2):
+            t[f"{ATTN.format(i)}.{leaf}"] = torch.tensor([0.5])
+    return edit
+
+
+@pytest.mark.parametrize("leaf", ["q_scale", "prob_scale"])
+@pytest.mark.parametrize("kind", ["kv", "plain"])
+def test_an_attention_query_or_probability_scale_is_refused_not_dropped(exports, tmp_path,
+                                                                         leaf, kind):
+    folder = _edited(exports[kind], tmp_path / "e", _add(leaf))
+    with pytest.raises(ValueError) as e:
+        Calibration.from_compressed_tensors(folder)
+    msg = str(e.value)
+    assert f"{folder}: tensor '{ATTN.format(0)}.{leaf}' is " in msg, msg
+    assert "quantscope does not run attention quantization" in msg
+    assert "refused, not dropped" in msg
+
+
+def test_the_exports_themselves_still_read(exports):
+    back = Calibration.from_compressed_tensors(exports["kv"])
+    assert set(back.states[ATTN.format(0)]) == {"key", "value"}
+    assert ATTN.format(0) not in Calibration.from_compressed_tensors(exports["plain"]).states
+    assert not [k for k in load_file(next(exports["kv"].glob("*.safetensors")))
+                if re.search(r"(q|prob)_scale$", k)]
