@@ -79,3 +79,34 @@ def test_the_exports_themselves_still_read(exports):
     assert ATTN.format(0) not in Calibration.from_compressed_tensors(exports["plain"]).states
     assert not [k for k in load_file(next(exports["kv"].glob("*.safetensors")))
                 if re.search(r"(q|prob)_scale$", k)]
+
+
+def _attention_group(keep_kv_scheme):
+    """A config group on the attention modules, with the KV scheme's args as its input
+    activations: the layout llm-compressor's attention quantization writes."""
+    def edit(qc):
+        args = dict(qc["kv_cache_scheme"])
+        qc["config_groups"]["attention"] = {
+            "targets": ["re:.*self_attn$"], "weights": None, "input_activations": args,
+            "output_activations": None, "format": qc["format"]}
+        if not keep_kv_scheme:
+            qc.pop("kv_cache_scheme")
+    return edit
+
+
+@pytest.mark.parametrize(("q_scale", "kv_scheme"), [(True, True), (True, False), (False, True)],
+                         ids=["q-and-kv-scheme", "q-only", "kv-scheme-only"])
+def test_an_attention_config_group_is_refused_naming_the_tensors_written_there(
+        exports, tmp_path, q_scale, kv_scheme):
+    # it named input_scale ("compressed-tensors writes only ['input_scale'] for this layer's
+    # quantization"), which compressed-tensors never writes on an attention module
+    folder = _edited(exports["kv"], tmp_path / "e", _add("q_scale") if q_scale else None,
+                     _attention_group(kv_scheme))
+    with pytest.raises(ValueError) as e:
+        Calibration.from_compressed_tensors(folder)
+    msg = str(e.value)
+    assert f"{folder}/config.json: config_groups.attention targets the attention module " \
+           f"{ATTN.format(0)} (LlamaAttention)" in msg, msg
+    assert "q_scale, k_scale and v_scale on the module" in msg
+    assert "quantscope does not run attention quantization" in msg
+    assert "input_scale" not in msg

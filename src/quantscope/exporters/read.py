@@ -53,7 +53,7 @@ from .read_checks import (
     storage_problem,
     unexpected_qparam,
 )
-from .read_refusals import KV_SCALE, refuse_unread
+from .read_refusals import KV_SCALE, refuse_attention_groups, refuse_unread
 from .registry import register_reader
 
 __all__ = ["read_compressed_tensors"]
@@ -452,8 +452,10 @@ def read_compressed_tensors(path):
     # the config's names are exact, quantscope's plain patterns globs: "[", "*", "?" escaped
     ignore = tuple(exact_pattern(n) for n in qconfig.ignore or ())
     layers = _by_layer(tensors)
+    picked = list(winners(qconfig, rules, ignore, of, model))
+    refuse_attention_groups(f"from_compressed_tensors: {cfg_path}", picked, model)
     states = {name: _read_layer(name, module, g, groups[g], qconfig, layers, model, cfg_path)
-              for name, module, g in winners(qconfig, rules, ignore, of, model)}
+              for name, module, g in picked}
     grouped = set(states)
     kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model)
     if not states:

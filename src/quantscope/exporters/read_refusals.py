@@ -8,14 +8,15 @@ group targets (``apply_quantization_config`` gives it ``QuantizedAttentionImpl``
 ``initialize_attn_qparams`` its ``q_scale``, ``k_scale`` and ``v_scale``), and vLLM's
 attention reads ``q_scale`` (its fp8 attention quantizes the query with it) and
 ``prob_scale`` (the softmax output's) beside the KV cache's ``k_scale`` / ``v_scale``.
-quantscope's KV cache quantizes keys and values only (:data:`ATTENTION_SCALES`).
+quantscope's KV cache quantizes keys and values only (:data:`ATTENTION_SCALES`,
+:func:`refuse_attention_groups`).
 """
 
 from __future__ import annotations
 
 from .read_checks import SCALE_LEAVES, ZERO_POINTS
 
-__all__ = ["ATTENTION_SCALES", "KV_SCALE", "refuse_unread"]
+__all__ = ["ATTENTION_SCALES", "KV_SCALE", "refuse_attention_groups", "refuse_unread"]
 
 #: the KV cache's scale tensors on a cached attention module, and the role each is read as
 KV_SCALE = {"k_scale": "key", "v_scale": "value"}
@@ -32,6 +33,24 @@ ATTENTION_SCALES = {
 _NOT_RUN = ("quantscope does not run attention quantization (its KV cache quantizes keys and "
             "values only: k_scale / v_scale under a kv_cache_scheme), so apply() would run "
             "the attention otherwise than the runtime")
+
+
+def refuse_attention_groups(where: str, picked, model) -> None:
+    """Refuse a config group that takes one of ``model``'s cached attention modules
+    (``picked``: ``(name, module, group)`` of each module the config quantizes): compressed-
+    tensors quantizes the attention itself there, its queries too, with ``q_scale`` /
+    ``k_scale`` / ``v_scale`` on the module (not the ``input_scale`` a Linear's input
+    activations have)."""
+    from ..calibration.structure.kv_cache import attention_modules
+
+    attention = attention_modules(model)
+    for name, module, group in picked:
+        if name in attention:
+            raise ValueError(
+                f"{where}: config_groups.{group} targets the attention module {name} "
+                f"({type(module).__name__}): compressed-tensors quantizes attention there, "
+                f"its queries, keys and values (q_scale, k_scale and v_scale on the module: "
+                f"initialize_attn_qparams); {_NOT_RUN}")
 
 
 def refuse_unread(tensors, grouped, kv_cache, path) -> None:
