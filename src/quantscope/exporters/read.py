@@ -116,7 +116,7 @@ def _meta_model(path: str, config: dict, tensors: int):
         return model, unfuse_for_reading(model)
 
 
-def _read_kv_cache(args, tensors, states, model):
+def _read_kv_cache(args, tensors, states, model, cfg_path):
     """The KV cache's ``key`` / ``value`` states from ``<attention>.k_scale`` / ``v_scale``
     (into ``states``); returns the recipe's ``kv_cache`` Role (None without a scheme). Each
     attention layer of ``model`` with one of the two scales must have both: the other
@@ -127,7 +127,7 @@ def _read_kv_cache(args, tensors, states, model):
 
     if args is None:
         return None
-    check_kv_scheme(args, "from_compressed_tensors")
+    check_kv_scheme(args, f"from_compressed_tensors: {cfg_path}")
     modules, attention = dict(model.named_modules()), attention_modules(model)
     spec = llmcompressor_spec(args, "input")
     observer = args.observer or "minmax"
@@ -457,7 +457,7 @@ def read_compressed_tensors(path):
     states = {name: _read_layer(name, module, g, groups[g], qconfig, layers, model, cfg_path)
               for name, module, g in picked}
     grouped = set(states)
-    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model)
+    kv_cache = _read_kv_cache(qconfig.kv_cache_scheme, tensors, states, model, cfg_path)
     if not states:
         raise ValueError(f"from_compressed_tensors: no module of {path} matches the config "
                          f"groups' targets")

@@ -132,20 +132,29 @@ def refuse_not_run(cfg_file, qc: dict, who: str) -> None:
                              f"checkpoint holds {what}, which quantscope does not run")
 
 
-def check_kv_scheme(args, who: str) -> None:
-    """Refuse a ``kv_cache_scheme`` quantscope cannot run: its KV cache takes static
-    per-tensor scales only (``Recipe.kv_cache`` refuses dynamic ones). Read as static, a
-    dynamic scheme's stored scales would pass for calibrated ones, or, with none,
-    ``apply()`` would leave the cache in float without a word."""
-    if args is not None and args.dynamic is not False:
-        raise ValueError(f"{who}: quantization_config.kv_cache_scheme.dynamic is "
-                         f"{args.dynamic!r}: quantscope's KV cache supports static scales "
-                         f"only (k_scale / v_scale calibrated once, dynamic: false)")
-    strategy = None if args is None else getattr(args.strategy, "value", args.strategy)
-    if args is not None and strategy != "tensor":  # per head: one scale per KV head
-        raise ValueError(f"{who}: quantization_config.kv_cache_scheme.strategy is "
-                         f"{strategy!r}: quantscope's KV cache has one scale per tensor "
-                         f"(strategy: tensor)")
+#: the ``kv_cache_scheme`` fields quantscope's KV cache runs, each with the value it needs
+#: and why (a field another value of is refused, naming it)
+_KV_FIELDS = {
+    "dynamic": (False, ("quantscope's KV cache supports static scales only (k_scale / v_scale "
+                        "calibrated once, dynamic: false)")),
+    "strategy": ("tensor", "quantscope's KV cache has one scale per tensor (strategy: tensor)"),
+    "symmetric": (True, ("quantscope's KV cache is fp8, symmetric only (symmetric: true; vLLM "
+                         "refuses an asymmetric compressed-tensors KV cache too)")),
+}
+
+
+def check_kv_scheme(args, where: str) -> None:
+    """Refuse a ``kv_cache_scheme`` quantscope cannot run, naming the field (``where``: who
+    reads it and the config file). Its KV cache takes static symmetric per-tensor scales only
+    (``Recipe.kv_cache`` refuses dynamic ones): read as static, a dynamic scheme's stored scales
+    would pass for calibrated ones, or, with none, ``apply()`` would leave the cache in float
+    without a word."""
+    for field, (want, why) in ({} if args is None else _KV_FIELDS).items():
+        got = getattr(args, field)
+        got = getattr(got, "value", got)  # (an enum: its name in the config)
+        if got != want:
+            raise ValueError(f"{where}: quantization_config.kv_cache_scheme.{field} is "
+                             f"{got!r}: {why}")
 
 
 def kv_scale_layer(key: str, modules: dict, attention: dict, who: str) -> str:

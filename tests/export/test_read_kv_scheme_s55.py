@@ -1,0 +1,62 @@
+"""A ``kv_cache_scheme`` quantscope does not run is refused naming the file and the field
+(probe s55; docs/guide/deploy.md: "every damage is a ValueError naming the file and the tensor
+or config field")."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from quantscope.calibration import Calibration, Recipe, calibrate
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from tiny_models import llama
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def kv_only(tmp_path_factory):
+    """A tiny Llama's KV-cache-only export (every attention's k_scale / v_scale)."""
+    model, batches = llama()
+    out = tmp_path_factory.mktemp("ct") / "kv"
+    calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False).export(model, out)
+    return out
+
+
+def _scheme(src, dst, **fields):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"].update(fields)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _refusal(folder, field, value):
+    with pytest.raises(ValueError) as e:
+        Calibration.from_compressed_tensors(folder)
+    msg = str(e.value)
+    assert msg.startswith(f"from_compressed_tensors: {folder / 'config.json'}: quantization_"
+                          f"config.kv_cache_scheme.{field} is {value!r}: "), msg
+    return msg
+
+
+def test_an_asymmetric_kv_cache_scheme_is_refused_naming_the_file_and_field(kv_only, tmp_path):
+    # it raised QuantSpec's own error, naming neither ("QuantSpec.symmetric: fp8_e4m3 is a
+    # float format and is symmetric only ...")
+    msg = _refusal(_scheme(kv_only, tmp_path / "asym", symmetric=False), "symmetric", False)
+    assert "symmetric only" in msg and "QuantSpec" not in msg
+
+
+@pytest.mark.parametrize(("field", "value"), [("dynamic", True), ("strategy", "channel")])
+def test_the_other_refused_fields_name_the_file_too(kv_only, tmp_path, field, value):
+    _refusal(_scheme(kv_only, tmp_path / "e", **{field: value}), field, value)
+
+
+def test_the_fp8_scheme_the_export_writes_reads(kv_only):
+    back = Calibration.from_compressed_tensors(kv_only)
+    assert re.fullmatch(r"fp8_e4m3 tensor sym", str(back.recipe.kv_cache.spec))
