@@ -60,3 +60,28 @@ def test_the_other_refused_fields_name_the_file_too(kv_only, tmp_path, field, va
 def test_the_fp8_scheme_the_export_writes_reads(kv_only):
     back = Calibration.from_compressed_tensors(kv_only)
     assert re.fullmatch(r"fp8_e4m3 tensor sym", str(back.recipe.kv_cache.spec))
+
+
+@pytest.mark.parametrize(("fields", "field", "value"), [
+    ({"type": "int"}, "type", "int"),  # int8: read as int8 QDQ on the fp8 scales
+    ({"num_bits": 4}, "num_bits", 4),  # read as fp4_e2m1 QDQ
+    ({"type": "int", "num_bits": 4}, "type", "int"),
+], ids=["int8", "float4", "int4"])
+def test_a_kv_cache_scheme_the_export_refuses_is_refused_on_reading(kv_only, tmp_path, fields,
+                                                                    field, value):
+    # the export writes fp8 KV caches only (vLLM's cache is fp8): these were read, and apply()
+    # ran int8 / fp4 KV QDQ no runtime runs
+    msg = _refusal(_scheme(kv_only, tmp_path / "e", **fields), field, value)
+    assert "vLLM's KV cache is fp8" in msg and "type: float, num_bits: 8" in msg
+
+
+def test_the_export_and_the_reader_share_one_kv_scheme_rule(kv_only):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from quantscope.exporters.read_checks import KV_SCHEME, kv_scheme_problem
+
+    written = json.loads((kv_only / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs.model_validate(written["kv_cache_scheme"])
+    assert kv_scheme_problem(args) is None
+    assert {f: getattr(getattr(args, f), "value", getattr(args, f)) for f in KV_SCHEME} == {
+        f: want for f, (want, _) in KV_SCHEME.items()}

@@ -44,6 +44,7 @@ from .atomic import atomic_dir, check_writable_target
 from .consistency import warn_fused_problems
 from .ct_compress import annotate, compress, ct_compressor, save_here
 from .experts import unfuse_experts
+from .read_checks import kv_scheme_problem
 from .registry import register
 from .serving import embedding_layers, warn_unservable
 from .source_folder import copy_extras, loaded_from, source_dir
@@ -323,8 +324,7 @@ def _kv_args(kv, lossy):
             raise _unsupported(layer, "kv cache", f"roles {sorted(roles)} (key and value both)")
         for role, st in roles.items():
             a = quant_args(st, layer, role, lossy)
-            if (a.strategy, a.dynamic, a.symmetric, a.type, a.num_bits) != (
-                    "tensor", False, True, "float", 8):
+            if kv_scheme_problem(a):  # the reader's rule too: what one writes the other reads
                 raise _unsupported(layer, role, f"{st.spec} (a static symmetric per-tensor fp8 "
                                                 f"KV cache scale: vLLM's k_scale / v_scale)")
             args.setdefault(json.dumps(a.model_dump(mode="json"), sort_keys=True), a)

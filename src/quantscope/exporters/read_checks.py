@@ -18,11 +18,11 @@ import torch
 from .._checks import pattern_refusal
 from .._jsonfile import parse_json, read_json
 
-__all__ = ["SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compressor", "exact_pattern",
-           "fmt_name", "kv_scale_layer", "load_checked_tensors", "missing_zero_point",
-           "neutral_qparams", "parse_quant_config", "read_quant_config", "refuse_not_run",
-           "rewriting_modifiers", "safetensors_headers", "scale_problem", "scale_values",
-           "storage_problem", "unexpected_qparam"]
+__all__ = ["KV_SCHEME", "SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compressor",
+           "exact_pattern", "fmt_name", "kv_scale_layer", "kv_scheme_problem",
+           "load_checked_tensors", "missing_zero_point", "neutral_qparams", "parse_quant_config",
+           "read_quant_config", "refuse_not_run", "rewriting_modifiers", "safetensors_headers",
+           "scale_problem", "scale_values", "storage_problem", "unexpected_qparam"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -132,29 +132,47 @@ def refuse_not_run(cfg_file, qc: dict, who: str) -> None:
                              f"checkpoint holds {what}, which quantscope does not run")
 
 
-#: the ``kv_cache_scheme`` fields quantscope's KV cache runs, each with the value it needs
-#: and why (a field another value of is refused, naming it)
-_KV_FIELDS = {
+#: why a KV cache other than fp8 is refused, read or written
+_FP8_CACHE = ("vLLM's KV cache is fp8 whatever the scheme says (its kv_cache_dtype; its "
+              "compressed-tensors KV-cache method refuses a scheme only where type and "
+              "num_bits both differ from float and 8) and would run these scales as fp8 "
+              "ones: quantscope writes and reads fp8 KV caches only (type: float, num_bits: 8)")
+
+#: the one ``kv_cache_scheme`` quantscope writes and reads, field by field (the value each
+#: needs, and why): static, per-tensor, symmetric fp8, vLLM's fp8 cache and its k_scale /
+#: v_scale. The export's rule for what it writes and the reader's for what it reads
+#: (:func:`kv_scheme_problem`)
+KV_SCHEME = {
     "dynamic": (False, ("quantscope's KV cache supports static scales only (k_scale / v_scale "
                         "calibrated once, dynamic: false)")),
     "strategy": ("tensor", "quantscope's KV cache has one scale per tensor (strategy: tensor)"),
     "symmetric": (True, ("quantscope's KV cache is fp8, symmetric only (symmetric: true; vLLM "
                          "refuses an asymmetric compressed-tensors KV cache too)")),
+    "type": ("float", _FP8_CACHE),
+    "num_bits": (8, _FP8_CACHE),
 }
 
 
-def check_kv_scheme(args, where: str) -> None:
-    """Refuse a ``kv_cache_scheme`` quantscope cannot run, naming the field (``where``: who
-    reads it and the config file). Its KV cache takes static symmetric per-tensor scales only
-    (``Recipe.kv_cache`` refuses dynamic ones): read as static, a dynamic scheme's stored scales
-    would pass for calibrated ones, or, with none, ``apply()`` would leave the cache in float
-    without a word."""
-    for field, (want, why) in ({} if args is None else _KV_FIELDS).items():
+def kv_scheme_problem(args) -> str | None:
+    """``"<field> is <value>: <why>"`` for the first field of the ``kv_cache_scheme`` args
+    (compressed-tensors' ``QuantizationArgs``) that is not :data:`KV_SCHEME`'s, else None."""
+    for field, (want, why) in KV_SCHEME.items():
         got = getattr(args, field)
         got = getattr(got, "value", got)  # (an enum: its name in the config)
         if got != want:
-            raise ValueError(f"{where}: quantization_config.kv_cache_scheme.{field} is "
-                             f"{got!r}: {why}")
+            return f"{field} is {got!r}: {why}"
+    return None
+
+
+def check_kv_scheme(args, where: str) -> None:
+    """Refuse a ``kv_cache_scheme`` quantscope does not run (:func:`kv_scheme_problem`),
+    naming the field (``where``: who reads it and the config file). Read as static, a dynamic
+    scheme's stored scales would pass for calibrated ones, or, with none, ``apply()`` would
+    leave the cache in float without a word; an int or 4-bit one would run a KV cache vLLM
+    never runs."""
+    why = None if args is None else kv_scheme_problem(args)
+    if why:
+        raise ValueError(f"{where}: quantization_config.kv_cache_scheme.{why}")
 
 
 def kv_scale_layer(key: str, modules: dict, attention: dict, who: str) -> str:
