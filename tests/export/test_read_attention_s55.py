@@ -73,6 +73,18 @@ def test_an_attention_query_or_probability_scale_is_refused_not_dropped(exports,
     assert "refused, not dropped" in msg
 
 
+@pytest.mark.parametrize("leaf", ["k_zero_point", "v_zero_point", "q_zero_point"])
+def test_an_attention_zero_point_is_refused_not_dropped(exports, tmp_path, leaf):
+    # compressed-tensors makes these beside the attention's scales; a symmetric fp8 KV cache
+    # saves none, and the reader dropped one without a word
+    folder = _edited(exports["kv"], tmp_path / "e", _add(leaf))
+    with pytest.raises(ValueError) as e:
+        Calibration.from_compressed_tensors(folder)
+    msg = str(e.value)
+    assert f"{folder}: tensor '{ATTN.format(0)}.{leaf}' is a zero point" in msg, msg
+    assert "refused, not dropped" in msg
+
+
 def test_the_exports_themselves_still_read(exports):
     back = Calibration.from_compressed_tensors(exports["kv"])
     assert set(back.states[ATTN.format(0)]) == {"key", "value"}

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from .read_checks import SCALE_LEAVES, ZERO_POINTS
 
-__all__ = ["ATTENTION_SCALES", "KV_SCALE", "refuse_attention_groups", "refuse_unread"]
+__all__ = ["ATTENTION_SCALES", "ATTENTION_ZERO_POINTS", "KV_SCALE", "refuse_attention_groups",
+           "refuse_unread"]
 
 #: the KV cache's scale tensors on a cached attention module, and the role each is read as
 KV_SCALE = {"k_scale": "key", "v_scale": "value"}
@@ -29,6 +30,11 @@ ATTENTION_SCALES = {
     "prob_scale": "a scale of the attention probabilities, softmax(QK^T) (vLLM's fp8 "
                   "attention reads prob_scale; compressed-tensors writes none)",
 }
+
+#: the zero points compressed-tensors' attention initialisation makes beside those scales
+#: (``force_zero_point``), which no saved symmetric fp8 scheme holds: the KV cache quantscope
+#: reads is symmetric (``read_checks.KV_SCHEME``), so a stored one would be dropped
+ATTENTION_ZERO_POINTS = ("q_zero_point", "k_zero_point", "v_zero_point")
 
 _NOT_RUN = ("quantscope does not run attention quantization (its KV cache quantizes keys and "
             "values only: k_scale / v_scale under a kv_cache_scheme), so apply() would run "
@@ -57,7 +63,8 @@ def refuse_unread(tensors, grouped, kv_cache, path) -> None:
     """A quantization tensor that no read module owns (a layer the model lacks, one the
     targets miss, a KV-cache scale without a ``kv_cache_scheme``) would be dropped without a
     word: refuse instead, as an attention scale quantscope does not run
-    (:data:`ATTENTION_SCALES`) wherever it is. ``grouped``: the layers the config groups
+    (:data:`ATTENTION_SCALES`) or an attention zero point (:data:`ATTENTION_ZERO_POINTS`)
+    wherever it is. ``grouped``: the layers the config groups
     read (their tensors are checked there); the KV-cache scales of a scheme are checked where
     they are read (``kv_cache``: the recipe's KV-cache role, None without a scheme)."""
     for key in tensors:
@@ -65,6 +72,11 @@ def refuse_unread(tensors, grouped, kv_cache, path) -> None:
         if leaf in ATTENTION_SCALES:
             raise ValueError(f"from_compressed_tensors: {path}: tensor {key!r} is "
                              f"{ATTENTION_SCALES[leaf]}; {_NOT_RUN}: refused, not dropped")
+        if leaf in ATTENTION_ZERO_POINTS:
+            raise ValueError(f"from_compressed_tensors: {path}: tensor {key!r} is a zero point "
+                             f"of the attention's queries, keys or values, but quantscope's KV "
+                             f"cache is symmetric fp8 (no zero point; llm-compressor saves "
+                             f"none): refused, not dropped")
         if layer in grouped or (kv_cache is not None and leaf in KV_SCALE):
             continue
         if leaf in KV_SCALE:
