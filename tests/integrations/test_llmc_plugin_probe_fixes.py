@@ -112,8 +112,9 @@ def test_mixed_fusion_group_oneshot(tmp_path):
 def test_expand_of_the_wrong_type_is_named(expand):
     args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel",
                             observer_kwargs={"expand": expand})
-    with pytest.raises(ValueError, match=r"quantscope_mse: observer_kwargs\['expand'\] must "
-                                         r"be a finite number in \[1\.0, inf\)"):
+    with pytest.raises(ValueError, match=r"quantscope_mse for weights \{.*\} with observer_kwargs "
+                                         r"\{'expand': .*\}: llm-compressor's MSE search: "
+                                         r"expand must be a finite number in \[1\.0, inf\)"):
         _observer("quantscope_mse", args)
 
 

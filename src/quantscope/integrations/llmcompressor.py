@@ -44,7 +44,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   the columns unpermuted, and so does the plugin.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
   ``percentile``, ``averaging_constant`` ...; ``non_finite: ignore`` skips NaN / inf, which
-  are refused otherwise). Errors name the registry name and the recipe's fields.
+  are refused otherwise). Errors name the registry name, the recipe's fields and the
+  ``observer_kwargs``, then the observer's own message (a bad value as an unknown key).
 * DDP: ``sync_activation_stats`` reduces the state through :mod:`quantscope.distributed`
   (histograms merge exactly, min / max by MIN / MAX); weights are not synced (every rank
   holds the same weights, and llm-compressor observes each weight on one rank).
@@ -130,12 +131,14 @@ class QuantscopeObserver(Observer):
             raise ValueError(f"observer {PREFIX}{self.quantscope_name} searches symmetric ranges "
                              f"only; the recipe's {recipe_args(self.args, base_name)} are "
                              f"asymmetric: use {PREFIX}memoryless_mse or {PREFIX}mse for them")
-        kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
-        try:
+        try:  # an unknown key, a bad value: in the recipe's words, then the observer's
+            kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
             self.quantscope = cls(spec, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"observer {PREFIX}{self.quantscope_name}: observer_kwargs "
-                            f"{self.args.observer_kwargs} do not fit {cls.__name__}: {e}") from None
+        except (TypeError, ValueError) as err:
+            given = self.args.observer_kwargs
+            raise (TypeError if isinstance(err, TypeError) else ValueError)(
+                f"observer {PREFIX}{self.quantscope_name} for {recipe_args(self.args, base_name)}"
+                f"{f' with observer_kwargs {given}' if given else ''}: {err}") from err
         self._qparam_shape: tuple[int, ...] | None = None
         self._merged = torch.float32  # the batches' dtypes merged (as theirs promote them)
         self._range: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -154,9 +157,8 @@ class QuantscopeObserver(Observer):
         number = isinstance(expand, (int, float)) and not isinstance(expand, bool)
         if number and expand < 1.0:
             raise ValueError(f"expand value must be at least 1.0, got {expand}")
-        # a YAML string or NaN: name the observer and the option, not a failed comparison
-        self.expand = check_number(f"observer {PREFIX}{self.quantscope_name}",
-                                   "observer_kwargs['expand']", expand, 1.0)
+        # a YAML string or NaN: name the option, not a failed comparison (__init__: the rest)
+        self.expand = check_number("llm-compressor's MSE search", "expand", expand, 1.0)
         return kwargs
 
     # ----------------------------------------------------------------- observing
