@@ -44,3 +44,53 @@ def test_a_bad_observer_kwargs_value_names_the_observer_and_the_recipe(name, kwa
                            f"{kwargs}: "), text
     assert said in text  # the observer's own message after it
     assert isinstance(e.value.__cause__, error)  # chained, not hidden
+
+
+@pytest.mark.parametrize("base_name, preset", [("weight", "W4A16"), ("weight", "MXFP4A16"),
+                                               ("weight", "NVFP4A16"), ("input", "FP8")])
+@pytest.mark.parametrize("name", ["memoryless_minmax", "static_minmax", "quantscope_mse",
+                                  "quantscope_histogram"])
+def test_an_observer_read_on_meta_then_fed_real_data_gives_the_datas_qparams(name, base_name,
+                                                                              preset):
+    # model_free_ptq's estimate leaves an observer whose state went to meta; fed a real tensor
+    # after get_qparams every quantscope_* name raised "Cannot copy out of meta tensor", where
+    # llm-compressor's own give the real data's qparams on its device
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    role = "weights" if base_name == "weight" else "input_activations"
+    shape = (64, 128) if base_name == "weight" else (2, 8, 128)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).half()
+
+    def observer():
+        args = PRESET_SCHEMES[preset][role].model_copy(deep=True)
+        return Observer.load_from_registry(
+            name if name.startswith("quantscope_") else f"quantscope_{name}",
+            base_name=base_name, args=args)
+
+    fresh, reused = observer(), observer()
+    reused(torch.empty(shape, dtype=torch.float16, device="meta"))
+    assert reused.get_qparams()["scale"].is_meta
+    reused(x)
+    got, want = reused.get_qparams(), fresh(x).get_qparams()
+    assert not got["scale"].is_meta and got["scale"].device == x.device
+    for key, value in want.items():
+        assert (got[key] is None) if value is None else torch.equal(got[key], value), key
+    if not name.startswith("quantscope_"):  # and llm-compressor's own min-max the same
+        args = PRESET_SCHEMES[preset][role].model_copy(deep=True)
+        theirs = Observer.load_from_registry(name, base_name=base_name, args=args)
+        theirs(torch.empty(shape, dtype=torch.float16, device="meta"))
+        theirs.get_qparams()
+        assert torch.equal(theirs(x).get_qparams()["scale"], got["scale"])
+
+
+def test_a_meta_state_fed_real_data_before_it_is_read_starts_afresh():
+    # an activation observer whose meta batches were never read: llm-compressor's own mix
+    # the devices and raise; quantscope's meta state holds no values, so it starts afresh
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    x = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(1))
+    obs = [Observer.load_from_registry("quantscope_static_minmax", base_name="input",
+                                       args=PRESET_SCHEMES["FP8"]["input_activations"]
+                                       .model_copy(deep=True)) for _ in range(2)]
+    obs[0](torch.empty(2, 8, 128, device="meta"))
+    assert torch.equal(obs[0](x).get_qparams()["scale"], obs[1](x).get_qparams()["scale"])

@@ -40,8 +40,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   (an inf scale), keeps the float32 one (2**14 for fp4).
 * On the meta device (``model_free_ptq``'s memory estimate) ``get_qparams`` returns meta
   qparams of llm-compressor's shapes and dtypes, as its own observers do; nothing is read.
-* Group activation order (``actorder``) is GPTQ's business: llm-compressor's observers see
-  the columns unpermuted, and so does the plugin.
+  Real data after it starts afresh (a meta state holds no values), as theirs do once read.
+* Group activation order (``actorder``) is GPTQ's: columns are observed unpermuted, as theirs.
 * ``observer_kwargs`` are the quantscope observer's keyword options (``bins``,
   ``percentile``, ``averaging_constant`` ...; ``non_finite: ignore`` skips NaN / inf, which
   are refused otherwise). Errors name the registry name, the recipe's fields and the
@@ -75,6 +75,7 @@ holding the line ``import quantscope.integrations.llmcompressor`` to site-packag
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -133,7 +134,8 @@ class QuantscopeObserver(Observer):
                              f"asymmetric: use {PREFIX}memoryless_mse or {PREFIX}mse for them")
         try:  # an unknown key, a bad value: in the recipe's words, then the observer's
             kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
-            self.quantscope = cls(spec, **kwargs)
+            self._make = functools.partial(cls, spec, **kwargs)  # (again: see below)
+            self.quantscope = self._make()
         except (TypeError, ValueError) as err:
             given = self.args.observer_kwargs
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
@@ -183,8 +185,9 @@ class QuantscopeObserver(Observer):
         if self.quantscope.seen_non_finite.device != units.device:
             # llm-compressor's observers keep no state before data: theirs goes where the
             # data is (a module placed after its observer was made, model_free_ptq's meta
-            # pass), so ours follows it there
-            self.quantscope.to(units.device)
+            # pass), so ours follows; a meta state, holding no values, is made anew there
+            self.quantscope = (self._make() if self._on_meta else self.quantscope).to(
+                units.device)
         merged = observed.dtype
         if not self.quantscope.memoryless and self.quantscope.has_observed:
             # a running range merges every batch's: its dtype theirs promoted (their torch.min
@@ -464,15 +467,12 @@ class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
         return stats
 
     get_global_scale = QuantscopeObserver.get_global_scale
-    get_qparams = QuantscopeObserver.get_qparams
+    get_qparams, extra_repr = QuantscopeObserver.get_qparams, QuantscopeObserver.extra_repr
 
     def delete_statistics(self, check_fused: bool = True) -> None:
         super().delete_statistics(check_fused)
         if not check_fused:
             self._global_amax = None
-
-    def extra_repr(self) -> str:
-        return f"base_name={self.base_name!r}, quantscope={self.quantscope_name!r}"
 
 
 def observer_names() -> list[str]:
