@@ -58,8 +58,9 @@ Where the results differ from llm-compressor's, by choice:
 * MXFP8: compressed-tensors rounds the block amax with fp4's one mantissa bit for every
   element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
-* float16 MX blocks whose amax is 57344 or more: compressed-tensors rounds it to float16's
-  inf (an inf scale, NaN after fake quantization); quantscope's scale is the finite E8M0 one.
+* MX blocks whose amax is 57344 or more in float16, or 1.75 * 2**127 or more in bfloat16 /
+  float32: compressed-tensors rounds it to the dtype's inf (an inf scale, NaN after fake
+  quantization); quantscope's scale is the finite E8M0 one (fp4: 2**14 / 2**126).
 * asymmetric fp8 (``type="float", symmetric=False``) is refused: a float format has no
   zero point in quantscope; so is an integer ``scale_dtype`` outside MX (compressed-tensors
   rounds such scales to integers, a scale encoding quantscope does not have), and a float

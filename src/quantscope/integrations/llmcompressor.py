@@ -37,7 +37,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
   below its smallest normal amax (2**-14) gets scale 1 (below 1.5 * 2**-15) or fp4's 2**-16 /
   fp8's 2**-22, as llm-compressor's own observers give, never 0. One difference: a float16
   block amax from 57344 up, whose power of two compressed-tensors rounds to float16's inf
-  (an inf scale), keeps the float32 one (2**14 for fp4).
+  (an inf scale), keeps the float32 one (2**14 for fp4); bfloat16 / float32 ones from
+  1.75 * 2**127 get their inf, as theirs (the compat classes keep a finite one).
 * On the meta device (``model_free_ptq``'s memory estimate) ``get_qparams`` returns meta
   qparams of llm-compressor's shapes and dtypes, as its own observers do; nothing is read.
   Real data after it starts afresh (a meta state holds no values), as theirs do once read.
