@@ -163,11 +163,14 @@ def test_a_recipe_file_option_value_is_checked_before_the_model_loads(bert_dir, 
     assert "percentile must be a number in (0, 100], got str '99'" in err, err
 
 
-@pytest.mark.parametrize("text, eps", [("1e-8", 1e-8), ("2E-7", 2e-7), ("1.0e-8", 1e-8),
-                                       ("+5e-6", 5e-6), (".5e-6", 5e-7)])
-def test_a_yaml_float_without_a_dot_reads_as_a_number(tmp_path, text, eps):
+@pytest.mark.parametrize("text, eps", [("1e-8", 1e-8), ("2E-7", 2e-7), ("+5e-6", 5e-6),
+                                       ("1.0e5", 1e5), ("2e5", 2e5), ("1e3", 1e3), (".5e6", 5e5),
+                                       ("1.0e-8", 1e-8)])
+def test_a_yaml_exponent_float_reads_as_a_number(tmp_path, text, eps):
     """F4: YAML 1.1 (PyYAML) reads a hand-written ``eps: 1e-8`` as the string '1e-8', which
-    the recipe refused with no hint; a recipe file reads it as YAML 1.2 and JSON do."""
+    the recipe refused with no hint; a recipe file reads it as YAML 1.2 and JSON do. Every
+    case but ``1.0e-8`` (a float in YAML 1.1 too: a guard) was text to YAML 1.1: no dot, or
+    no sign after the ``e`` (``1.0e5``)."""
     from quantscope.cli.recipes import read_recipe_file
 
     path = tmp_path / "r.yaml"
