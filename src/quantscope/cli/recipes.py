@@ -200,13 +200,61 @@ def _yaml_loader():
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
-    # YAML 1.2's (and JSON's) floats with no dot, 1e-8 and 2E+3, which YAML 1.1 (PyYAML)
-    # reads as text: a hand-written `eps: 1e-8` was refused as the string '1e-8'
+    # YAML 1.2's (and JSON's) floats that YAML 1.1 (PyYAML) reads as text, with no dot (1e-8,
+    # 2E+3) or no exponent sign (1.0e5): a hand-written `eps: 1e-8` was refused as '1e-8'
     RecipeLoader.add_implicit_resolver(  # (the subclass's own list: SafeLoader keeps its own)
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
         list("-+.0123456789"))
     return RecipeLoader
+
+
+#: the fields of a recipe file that hold text (a key, or ``*``: each item of a list), which a
+#: YAML number must not fill: ``name: 2e5`` is the float 200000.0 (YAML 1.2's rule, above)
+_ROLE_TEXT = (("observer",), ("spec", "format"), ("spec", "layout"), ("spec", "scale"))
+_TEXT_FIELDS = (
+    ("name",), ("ignore",), ("ignore", "*"), ("split",), ("split", "*"), ("fuse",),
+    ("fuse", "*"), ("fuse", "*", "*"), ("rules", "*", "targets"), ("rules", "*", "targets", "*"),
+    *(("kv_cache", *f) for f in _ROLE_TEXT),
+    *(("rules", "*", role, *f) for role in ("weight", "input", "output") for f in _ROLE_TEXT))
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _load_yaml(text: str, path: str):
+    """``yaml.load`` with the recipe loader, refusing a number where the recipe takes text
+    (a UsageError naming the field and saying to quote it)."""
+    loader = _yaml_loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        for fields in _TEXT_FIELDS:
+            for where, scalar in _numbers_at(node, fields, ""):
+                at, key = scalar.start_mark, fields[-1] if fields[-1] != "*" else None
+                quoted = f'{key}: "{scalar.value}"' if key else f'"{scalar.value}"'
+                raise UsageError(
+                    f"--recipe-file {path!r}: {where} (line {at.line + 1}, column "
+                    f"{at.column + 1}) is {scalar.value}, which YAML reads as a number; the "
+                    f"field takes text: quote it, {quoted}")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _numbers_at(node, fields: tuple, where: str):
+    """``(field, node)`` of each YAML number at ``fields`` (see _TEXT_FIELDS) under ``node``."""
+    import yaml
+
+    if not fields:
+        if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
+            yield where, node
+    elif fields[0] == "*" and isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _numbers_at(item, fields[1:], f"{where}[{i}]")
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value == fields[0]:
+                yield from _numbers_at(value, fields[1:], f"{where}.{key.value}".lstrip("."))
 
 
 def _recipe_text(path: str):
@@ -229,7 +277,7 @@ def _recipe_text(path: str):
         raise UsageError(f"--recipe-file {path!r} is not JSON ({json_error}), and YAML needs "
                          f"pyyaml") from None
     try:
-        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader (above)
+        return _load_yaml(text, path)  # a SafeLoader (above)
     except PARSER_LIMITS as e:
         raise UsageError(str(parser_limit(where, e))) from None
     except ValueError as e:  # an integer past Python's digit limit, as in parse_json

@@ -1,0 +1,66 @@
+"""Review s55 (the command line): a YAML number where a recipe file takes text is refused
+naming the field and saying to quote it, ..."""
+
+import pytest
+from cli_helpers import run_cli
+
+from quantscope.cli.checks import UsageError
+from quantscope.cli.recipes import read_recipe_file
+
+_WEIGHT = "weight: {spec: {format: int8}}"
+
+
+@pytest.mark.parametrize("text, field, quoted", [
+    (f"name: 2e5\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n", "name (line 1, column 7) is 2e5",
+     'name: "2e5"'),
+    (f"rules:\n  - targets: [1e3]\n    {_WEIGHT}\n",
+     "rules[0].targets[0] (line 2, column 15) is 1e3", '"1e3"'),
+    (f"ignore: [lm_head, 12]\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n",
+     "ignore[1] (line 1, column 19) is 12", '"12"'),
+    ("rules:\n  - targets: [Linear]\n    weight: {spec: {format: int8}, observer: 1e3}\n",
+     "rules[0].weight.observer (line 3, column 46) is 1e3", 'observer: "1e3"'),
+])
+def test_a_yaml_number_where_a_recipe_takes_text_says_to_quote_it(tmp_path, text, field,
+                                                                   quoted):
+    # the exponent resolver (YAML 1.2's floats) read `name: 2e5` and `targets: [1e3]`, text to
+    # YAML 1.1, as 200000.0 / 1000.0: refused as "must be a string", with no word of quoting
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError) as e:
+        read_recipe_file(str(path))
+    said = str(e.value)
+    assert f"--recipe-file {str(path)!r}: {field}, which YAML reads as a number" in said, said
+    assert said.endswith(f"the field takes text: quote it, {quoted}"), said
+    # quoted, it is the text
+    path.write_text(text.replace(": 2e5", ': "2e5"').replace("[1e3]", '["1e3"]')
+                    .replace(", 12]", ', "12"]').replace("observer: 1e3", 'observer: "1e3"'))
+    try:
+        rec = read_recipe_file(str(path))
+    except UsageError as err:  # an observer named 1e3 is unknown: said as such, not a number
+        assert "1e3" in str(err) and "reads as a number" not in str(err)
+    else:
+        assert rec.name == "2e5" or "1e3" in rec.rules[0].targets or "12" in rec.ignore
+
+
+def test_numbers_where_a_recipe_takes_numbers_stay_numbers(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: w8\nrules:\n  - targets: [Linear]\n    weight: {spec: {format: int8, "
+                    "eps: 1e-8}, observer: percentile, options: {percentile: 99}}\n")
+    rec = read_recipe_file(str(path))
+    assert rec.rules[0].weight.spec.eps == 1e-8
+    assert dict(rec.rules[0].weight.options)["percentile"] == 99
+
+
+def test_the_quote_advice_is_one_usage_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tiny_models import bert_folder, require_lee_corpus
+
+    require_lee_corpus()
+    bert = str(bert_folder(tmp_path / "bert"))
+    capsys.readouterr()  # (writing the folder's shards printed a progress bar)
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: 2e5\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n")
+    rc, out, err = run_cli(capsys, "calibrate", "--model", bert, "--recipe-file", str(path),
+                           "--out", str(tmp_path / "run"))
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert 'quote it, name: "2e5"' in err, err
