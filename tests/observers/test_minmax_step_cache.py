@@ -220,7 +220,8 @@ def test_the_general_paths_fused_update_keeps_no_per_unit_pair(ema, monkeypatch)
     """On the general path (``cached_cpu_step = False``) an accumulating observer's C pass
     fuses its state update and, given the ends, writes no per-unit min / max (stats'
     ``unit_minmax`` returns None for them): the state equals the torch path's (the kernel
-    hidden), NaN recorded alike, and the first call's scratch pair is not written again."""
+    hidden), NaN recorded alike, and no scratch pair is kept: the first call's became the
+    state, uncopied (one was kept, never written again: memory the size of the state)."""
     spec = QuantSpec("int8", Channel(0))
     xs = [g(i, 300, 40, scale=1 + i) for i in range(3)] + [g(9, 300, 40)]
     xs[-1][5, 7] = float("nan")
@@ -228,10 +229,10 @@ def test_the_general_paths_fused_update_keeps_no_per_unit_pair(ema, monkeypatch)
     assert obs.spec == spec
     obs.cached_cpu_step = ref.cached_cpu_step = False
     obs(xs[0])
-    scratch = obs._scratch  # the first call's (the state is sized from it)
-    versions = [t._version for t in scratch]
+    assert "_scratch" not in obs.__dict__  # the state took the first call's pair
     for x in xs[1:]:
         obs(x)
+        assert "_scratch" not in obs.__dict__  # nor made again: the update is fused
     with monkeypatch.context() as m:
         m.setattr(stats, "_kernel", lambda: None)
         for x in xs:
@@ -239,8 +240,22 @@ def test_the_general_paths_fused_update_keeps_no_per_unit_pair(ema, monkeypatch)
     for name in ("min_vals", "max_vals"):  # (NaN's sign bit aside: C's and torch's differ)
         assert torch.equal(getattr(obs, name).nan_to_num(7.0), getattr(ref, name).nan_to_num(7.0))
     assert bool(obs.seen_non_finite) and bool(ref.seen_non_finite)
-    assert [t._version for t in scratch] == versions
     units = xs[0].reshape(300, 40)
     lo, hi = stats.unit_minmax(units, None, torch.empty(2),
                                ("min", 0.0, obs.min_vals.clone(), obs.max_vals.clone()))
     assert lo is None and hi is None
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["static", "ema"])
+def test_the_cached_steps_keep_no_scratch_pair(ema):
+    """Review s55: an accumulating observer's cached C step fuses its update (lo / hi NULL),
+    yet the first call's scratch pair was kept for the observer's life (the state's size in
+    memory, never written again); now the state is that pair, and the state the same."""
+    obs, ref = pair(Channel(0), ema)[0], pair(Channel(0), ema)[0]
+    ref.cached_cpu_step = False
+    for i in range(4):
+        x = g(i, 4096, 256, scale=1 + i)
+        obs(x)
+        ref(x)
+        assert "_scratch" not in obs.__dict__, i
+    assert torch.equal(obs.min_vals, ref.min_vals) and torch.equal(obs.max_vals, ref.max_vals)

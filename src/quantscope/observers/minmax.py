@@ -71,6 +71,7 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
+        # (a first call's pair the state takes is forgotten then: _observe)
         dev = self._buffers["min_vals"].device
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
             return _pair(count, dev)  # one buffer
@@ -153,8 +154,14 @@ class MinMaxStateObserver(Observer):
         elif self._fused:
             object.__setattr__(self, "_fused", False)
         elif self.min_vals.shape != lo.shape:  # first call (shape, not value: no host sync)
-            self.min_vals = lo.clone()
-            self.max_vals = hi.clone()
+            # this call's scratch pair becomes the state, uncopied: later calls fuse their
+            # update (no pair) or make one, so none is kept that no call writes
+            s = self.__dict__.get("_scratch")
+            if s is not None and s[0] is lo and s[1] is hi:
+                del self.__dict__["_scratch"]
+            else:
+                lo, hi = lo.clone(), hi.clone()
+            self.min_vals, self.max_vals = lo, hi
         else:
             self._update(lo, hi)
 
