@@ -1,5 +1,6 @@
 """Review s55 (the command line): a YAML number where a recipe file takes text is refused
-naming the field and saying to quote it, ..."""
+naming the field and saying to quote it; the KV-cache refusal says what a preset's or a recipe
+file's user can do."""
 
 import pytest
 from cli_helpers import run_cli
@@ -8,6 +9,18 @@ from quantscope.cli.checks import UsageError
 from quantscope.cli.recipes import read_recipe_file
 
 _WEIGHT = "weight: {spec: {format: int8}}"
+FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
+        "8", "--device", "cpu", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A tiny random BERT folder (an encoder: no KV cache), once per module."""
+    pytest.importorskip("transformers")
+    from tiny_models import bert_folder, require_lee_corpus
+
+    require_lee_corpus()
+    return str(bert_folder(tmp_path_factory.mktemp("tiny-bert")))
 
 
 @pytest.mark.parametrize("text, field, quoted", [
@@ -51,16 +64,34 @@ def test_numbers_where_a_recipe_takes_numbers_stay_numbers(tmp_path):
     assert dict(rec.rules[0].weight.options)["percentile"] == 99
 
 
-def test_the_quote_advice_is_one_usage_line(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    from tiny_models import bert_folder, require_lee_corpus
-
-    require_lee_corpus()
-    bert = str(bert_folder(tmp_path / "bert"))
+def test_the_quote_advice_is_one_usage_line(bert_dir, tmp_path, capsys):
     capsys.readouterr()  # (writing the folder's shards printed a progress bar)
     path = tmp_path / "r.yaml"
     path.write_text(f"name: 2e5\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n")
-    rc, out, err = run_cli(capsys, "calibrate", "--model", bert, "--recipe-file", str(path),
+    rc, out, err = run_cli(capsys, "calibrate", "--model", bert_dir, "--recipe-file", str(path),
                            "--out", str(tmp_path / "run"))
     assert rc == 2 and out == "" and err.count("\n") == 1, err
     assert 'quote it, name: "2e5"' in err, err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["calibrate", "--recipe", "fp8-kv"],
+     "recipe 'fp8-kv' calibrates the KV cache, but the model has no attention module"),
+    (["compare", "--recipes", "w8a8,fp8-kv", "--observers", "minmax", "--no-plots"],
+     "recipe 'fp8-kv' calibrates the KV cache, but the model has no attention module"),
+    (["calibrate", "--recipe-file", "KV"],
+     "recipe 'custom' sets kv_cache, but the model has no attention module")])
+def test_the_kv_cache_refusal_says_what_a_preset_or_file_user_can_do(bert_dir, tmp_path, capsys,
+                                                                      argv, said):
+    # it read "recipe 'fp8-kv' sets kv_cache, but: the model ..." and ended "take kv_cache out
+    # of the recipe", which a preset's user cannot do
+    kv = tmp_path / "kv.yaml"
+    kv.write_text(f"kv_cache: fp8\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n")
+    capsys.readouterr()
+    argv = [str(kv) if a == "KV" else a for a in argv]
+    rc, _, err = run_cli(capsys, *argv, "--model", bert_dir, *FAST, "--out", str(tmp_path / "r"))
+    last = err.strip().splitlines()[-1]  # (after the model's loading lines)
+    assert rc == 2 and said in last and "but:" not in last, err
+    advice = "take kv_cache out of the file" if str(kv) in argv else (
+        "keeps no KV cache: use the preset 'fp8' instead, the same without the KV cache")
+    assert last.endswith(advice), err

@@ -35,7 +35,8 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
                                              observer or "minmax", {}))
         if args.targets == []:  # `--targets` and no pattern: no layer, the KV cache alone
             rec = replace(rec, rules=())
-    _check_kv_cache(rec, model, getattr(args, "kv_cache", None))
+    _check_kv_cache(rec, model, getattr(args, "kv_cache", None),
+                    "file" if getattr(args, "recipe_file", None) else "preset")
     if args.group_size is not None and R.has_groups(rec):
         rec = R.with_group_size(rec, args.group_size)
     elif args.group_size is not None and not groups_optional:
@@ -52,17 +53,28 @@ def build_recipe(args, model, observer=None, recipe_name=None, groups_optional=F
     return rec
 
 
-def _check_kv_cache(rec, model, flag: str | None) -> None:
+def _check_kv_cache(rec, model, flag: str | None, source: str = "preset") -> None:
     """A KV cache needs an attention module whose keys and values a runtime caches: said
     once the model is loaded, before the float evaluation (calibrate's own check comes after
-    it), naming ``--kv-cache`` (``flag``) where that asked for it."""
+    it), naming ``--kv-cache`` (``flag``) where that asked for it, else what the recipe's
+    ``source`` (a ``"preset"``, a recipe ``"file"``) offers instead. (An encoder-decoder,
+    whose decoder has one, never gets here: the command line refuses it as it loads.)"""
+    from ..calibration.recipe import KV_PRESETS, RECIPES
     from ..calibration.structure.kv_cache import attention_modules
 
     if rec.kv_cache is None or attention_modules(model):
         return
-    asked = f"--kv-cache {flag}" if flag else f"recipe {rec.name!r} sets kv_cache, but"
-    leave = "leave out --kv-cache" if flag else "take kv_cache out of the recipe"
-    raise UsageError(f"{asked}: the model has no attention module whose keys and values a "
+    plain = rec.name.removesuffix("-kv")  # the preset without the KV cache (fp8-kv: fp8)
+    if flag:
+        asked, leave = f"--kv-cache {flag}:", "leave out --kv-cache"
+    elif source == "file":
+        asked, leave = f"recipe {rec.name!r} sets kv_cache, but", "take kv_cache out of the file"
+    elif rec.name in KV_PRESETS and plain in RECIPES:
+        asked = f"recipe {rec.name!r} calibrates the KV cache, but"
+        leave = f"use the preset {plain!r} instead, the same without the KV cache"
+    else:
+        asked, leave = f"recipe {rec.name!r} sets kv_cache, but", "use a recipe without one"
+    raise UsageError(f"{asked} the model has no attention module whose keys and values a "
                      f"runtime caches (k_proj / v_proj / qkv_proj in a causal attention that "
                      f"takes the cache, as transformers' decoders have); an encoder such as "
                      f"BERT or MiniLM attends over the whole input at once and keeps no KV "
