@@ -188,7 +188,11 @@ def test_a_yaml_exponent_float_reads_as_a_number(tmp_path, text, eps):
      ("quantscope calibrate: error: argument --calib-docs: invalid int value: 'x' "
       "(quantscope calibrate --help lists the options)")),
     (["export", "run"], "quantscope export: error: the following arguments are required: --out"),
-    (["calibrate", "--bogus"], "quantscope: error: unrecognized arguments: --bogus")])
+    # a command's unknown option: its parser names it and its --help (quantscope --help,
+    # which lists no command's options, was named: review s55)
+    (["calibrate", "--bogus"], ("quantscope calibrate: error: unrecognized arguments: --bogus "
+                                "(quantscope calibrate --help lists the options)")),
+    (["--bogus"], "quantscope: error: unrecognized arguments: --bogus (quantscope --help")])
 def test_an_argparse_error_is_one_line_on_stderr(capsys, argv, said):
     """F6: argparse printed its whole usage block (18 lines for calibrate) before the error."""
     rc, out, err = run_cli(capsys, *argv)

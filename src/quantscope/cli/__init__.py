@@ -59,9 +59,21 @@ class _Parser(argparse.ArgumentParser):
     code 2 (argparse prints its whole usage first: 18 lines for ``calibrate``), ``--help``
     named for the rest. Its subcommands' parsers are of this class too (``add_subparsers``)."""
 
+    #: the subcommands' parsers by name (the top parser's; set by :func:`build_parser`)
+    commands: dict | None = None
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help "
                      f"lists the options)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # an option no parser took is a subcommand's mistake (argparse's top parser reports
+        # it, naming `quantscope --help`, which lists no command's options): its parser says it
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = (self.commands or {}).get(getattr(args, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add_parser, _ in COMMANDS.values():
         add_parser(sub)
+    parser.commands = sub.choices
     return parser
 
 
