@@ -11,7 +11,9 @@ embeddings. Calibration text: gensim's Lee background corpus, or ``--calib-file`
 Names (recipes, schemes, observers) and the output folder are checked before anything
 heavy is imported or loaded; an error is one line on stderr and exit code 2, argparse's
 too (``--debug`` prints the traceback first); ``quantscope`` alone prints the help on stderr,
-exit code 2. Progress goes to stderr; stdout ends with a short summary.
+exit code 2; stdout's reader gone (``| head``) exits 1, an interrupt 130. :func:`main` returns
+the code, never raising ``SystemExit``. Progress goes to stderr; stdout ends with a short
+summary.
 
 The package: :mod:`.names` (the names accepted, known without torch), :mod:`.checks`,
 :mod:`.options` (the argument groups the calibrating commands share), :mod:`.running` (model,
@@ -204,6 +206,9 @@ def _printable_streams():
 
 
 def main(argv=None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return its exit code:
+    0, 2 for an error (one line on stderr), 1 where stdout's reader left, 130 on an interrupt;
+    never raises ``SystemExit`` (argparse's, ``--help``'s, a command's own)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -244,12 +249,19 @@ def _run(args) -> int:
             args.rank, args.world = qd.rank(), qd.world_size()
         return COMMANDS[args.command][1](args)
     except BrokenPipeError:  # `quantscope formats | head`: the reader left; say nothing
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError):  # (a stdout with no file: left as is)
+            out = sys.stdout.fileno()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out)
         return 1
     except KeyboardInterrupt:
         print(f"quantscope {args.command}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as e:  # sys.exit inside a command (a library's): main() returns its code
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(f"quantscope {args.command}: error: {' '.join(str(e.code).split())}",
+              file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 -- every error: one line, exit 2 (--debug: where)
         if args.debug:
             traceback.print_exc()
