@@ -117,3 +117,10 @@ def test_main_returns_the_documented_codes_and_never_raises_systemexit(monkeypat
     _command_raising(monkeypatch, error)
     assert cli.main(["formats"]) == code
     assert capsys.readouterr().err == said
+
+
+def test_an_argparse_error_keeps_the_spaces_of_a_value(capsys):
+    # the one-line rule collapsed every run of spaces, the user's value's too ('x y')
+    rc, out, err = run_cli(capsys, "calibrate", "--threads", "x  y")
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "argument --threads: invalid int value: 'x  y' (quantscope calibrate --help" in err

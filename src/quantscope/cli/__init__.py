@@ -65,8 +65,9 @@ class _Parser(argparse.ArgumentParser):
     commands: dict | None = None
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help "
-                     f"lists the options)\n")
+        # one line: its line breaks joined, a value's own spaces kept ('a  b' as given)
+        one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        self.exit(2, f"{self.prog}: error: {one_line} ({self.prog} --help lists the options)\n")
 
     def parse_args(self, args=None, namespace=None):
         # an option no parser took is a subcommand's mistake (argparse's top parser reports
