@@ -4,8 +4,13 @@ Runs in the peers' venv (``make test`` runs it there): llm-compressor's ``onesho
 random models saved to ``tmp_path``. The min-max names must give llm-compressor's own scales
 bitwise; the others must give, for every module, what quantscope's observer of that name
 computes from the inputs that module's observer saw during ``oneshot`` (captured in
-llm-compressor's own calibration hook: with ``quantization_aware_calibration`` a layer sees
-the outputs of already quantized layers, so recalibrating the float model would differ).
+llm-compressor's own calibration hook, so the comparison does not depend on which outputs
+each layer was fed). llm-compressor 0.14 keeps a ``QuantizationModifier``'s quantization
+disabled until ``end_calibration``, after the last layer: its sequential pipeline feeds
+each layer the float outputs of the layers before it (``quantization_aware_calibration`` is
+deprecated and has no effect), so its input scales equal its basic pipeline's and
+quantscope's ``sequential="float"``, not ``sequential="quantized"``
+(test_sequential_pipeline_calibrates_on_float_outputs).
 """
 
 from __future__ import annotations
@@ -272,6 +277,37 @@ def test_oneshot_min_max_names_bitwise_equal_llmcompressor(tmp_path, pipeline):
     assert sum(k.endswith("input_scale") for k in runs[""]) == 36 // 6 * 2 + 1
     _assert_bitwise(runs[""], runs["quantscope_"])
 
+
+
+def test_sequential_pipeline_calibrates_on_float_outputs(tmp_path):
+    """llm-compressor's sequential pipeline (propagate_error at its default, True) gives a
+    QuantizationModifier's input scales of its basic pipeline bit for bit: quantization stays
+    off until end_calibration, so the layers after the first see float outputs. quantscope's
+    sequential="float" matches them to float32 rounding; sequential="quantized" does not."""
+    from quantscope import QuantSpec, presets
+    from quantscope.calibration import Recipe, Role, Rule, Sequential
+
+    cls = _llama(tmp_path / "llama")
+    kw = {"weights": _args(strategy="channel", observer="memoryless_minmax"),
+          "inputs": _args(strategy="tensor", dynamic=False, observer="static_minmax")}
+    runs = {p: {k: v for k, v in _qparams(_oneshot(cls, tmp_path / "llama", pipeline=p, **kw))
+                .items() if k.endswith(".input_scale")} for p in ("sequential", "basic")}
+    assert len(runs["basic"]) == 14
+    _assert_bitwise(runs["sequential"], runs["basic"])
+    recipe = Recipe((Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax"),
+                          input=Role(QuantSpec("int8"), "static_minmax")),), ignore=("lm_head",))
+    model, batches = cls.from_pretrained(tmp_path / "llama").eval(), list(_loader())
+    ours = {mode: quantscope.calibrate(model, batches, recipe, progress=False,
+                                       sequential=Sequential(mode=mode))
+            for mode in ("float", "quantized")}
+    worst = {mode: 0.0 for mode in ours}
+    for key, theirs in runs["sequential"].items():
+        layer = key[:-len(".input_scale")]
+        for mode, cal in ours.items():
+            scale = cal.states[layer]["input"].qparams.scale.float().reshape(theirs.shape)
+            worst[mode] = max(worst[mode], ((scale - theirs).abs() / theirs).max().item())
+    assert worst["float"] <= 1e-6  # float32 rounding (2.2e-7 here: a few ulps)
+    assert worst["quantized"] > 1e-4  # layer 1 sees the quantized layer 0's outputs
 
 def test_oneshot_nvfp4_min_max_names_bitwise_equal_llmcompressor(tmp_path):
     cls = _llama(tmp_path / "llama")
