@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import sys
 from collections.abc import Iterable, Mapping, MutableMapping
 from contextlib import contextmanager
 
@@ -14,8 +15,8 @@ import torch
 from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
-__all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "map_tensors",
-           "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
+__all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "is_kv_cache",
+           "map_tensors", "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -33,12 +34,54 @@ def eval_mode(model):
 
 def forward_batch(model, batch):
     """``model(**batch)`` for a dict (a tokenizer's output), ``model(*batch)`` for a tuple or
-    list, ``model(batch)`` otherwise."""
+    list, ``model(batch)`` otherwise; each KV cache object in it a copy (:func:`_fresh_caches`)."""
+    batch = _fresh_caches(batch)
     if isinstance(batch, dict) or hasattr(batch, "keys"):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def is_kv_cache(value) -> bool:
+    """Whether ``value`` is a transformers ``Cache`` (``DynamicCache`` ...; transformers not
+    imported: none was made)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
+def _fresh_caches(batch):
+    """``batch`` with each KV cache object among its arguments replaced by a copy: a forward
+    fills the cache it is given, and a batch is forwarded more than once (fusion detection,
+    the pass, auto's scoring): each forward starts from the cache as given (an empty one: as
+    with none, the sequential pass's result), and the user's stays as it was."""
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        items = [(k, batch[k]) for k in batch.keys()]  # noqa: SIM118 (what ** reads)
+        if any(is_kv_cache(v) for _, v in items):
+            return {k: _copy_cache(v) if is_kv_cache(v) else v for k, v in items}
+    elif isinstance(batch, (tuple, list)) and any(map(is_kv_cache, batch)):
+        return [_copy_cache(v) if is_kv_cache(v) else v for v in batch]
+    return batch
+
+
+def _copy_cache(cache):
+    """A deep copy of a KV cache, its tensors detached clones (``copy.deepcopy`` refuses a
+    tensor a graph made: a prefix computed with gradients)."""
+    memo, seen, todo = {}, set(), [cache]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            memo[id(obj)] = obj.detach().clone()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif isinstance(obj, Mapping):
+            todo.extend(obj.values())
+        elif hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+    return copy.deepcopy(cache, memo)
 
 
 def check_batches(batches, who: str = "calibrate") -> None:

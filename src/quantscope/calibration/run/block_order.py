@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .batches import forward_batch, map_tensors, tensors_in
+from .batches import forward_batch, is_kv_cache, map_tensors, tensors_in
 
 __all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "find_blocks",
            "free_zeros", "recorders", "refuse", "split_contexts", "trace_batches"]
@@ -144,11 +143,6 @@ class Trace:
         return [j for j, _ in self.calls]
 
 
-def _is_kv_cache(value) -> bool:
-    cache_utils = sys.modules.get("transformers.cache_utils")  # not imported: no Cache made
-    return cache_utils is not None and isinstance(value, cache_utils.Cache)
-
-
 def _prefix_cache(batch) -> tuple[str, int] | None:
     """``(argument, tokens)`` of a batch's KV cache that already holds tokens (a prefix the
     blocks attend to, with a mask that covers it), if any: no replay without the cache
@@ -160,7 +154,7 @@ def _prefix_cache(batch) -> tuple[str, int] | None:
     else:
         items = ()
     for name, value in items:
-        if _is_kv_cache(value) and value.get_seq_length() > 0:
+        if is_kv_cache(value) and value.get_seq_length() > 0:
             return name, value.get_seq_length()
     return None
 
@@ -170,8 +164,8 @@ def _replayable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     name, transformers 5's ``cache=`` too; ``use_cache`` False): a block runs more than once
     per batch (its calibration, its outputs' pass, auto's scoring), and would attend over the
     keys its own earlier runs left in the cache."""
-    args = tuple(None if _is_kv_cache(a) else a for a in args)
-    kwargs = {k: None if _is_kv_cache(v) or k in ("past_key_values", "past_key_value")
+    args = tuple(None if is_kv_cache(a) else a for a in args)
+    kwargs = {k: None if is_kv_cache(v) or k in ("past_key_values", "past_key_value")
               else False if k == "use_cache" else v for k, v in kwargs.items()}
     return args, kwargs
 
