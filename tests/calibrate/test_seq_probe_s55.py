@@ -1,7 +1,13 @@
 """Probe s55 (sequential calibration): a KV cache object in the batches is copied for every
-forward of the whole-model pass as the sequential pass leaves it untouched."""
+forward of the whole-model pass as the sequential pass leaves it untouched; SIGTERM removes
+the spill folder as Ctrl-C does, and still ends the process."""
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -53,3 +59,87 @@ def test_a_prefix_cache_is_the_same_for_every_forward_and_kept(grad):
     for layer in ("model.layers.1.self_attn.o_proj", "lm_head"):
         assert torch.equal(first.states[layer]["input"].qparams.scale,
                            one.states[layer]["input"].qparams.scale)
+
+
+# ---------------------------------------------------------------- SIGTERM and the spill folder
+_CHILD = """
+import os, signal, sys, torch, transformers
+from quantscope.calibration import Sequential, calibrate
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+model = transformers.LlamaForCausalLM(cfg).eval()
+model.model.layers[1].register_forward_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGTERM))
+calibrate(model, [torch.randint(0, 100, (2, 16)) for _ in range(3)], "w8a8", progress=False,
+          sequential=Sequential(cache_budget_mb=0, cache_dir=sys.argv[1]))
+print("not stopped")
+"""
+
+
+def _spilling(tmp_path, model, batches, hook):
+    """A spilling sequential run whose block 1 calls ``hook`` (the spill folder full by then)."""
+    from quantscope.calibration import Sequential
+
+    handle = model.model.layers[1].register_forward_pre_hook(lambda *a: hook(tmp_path))
+    try:
+        return calibrate(model, batches, "w8a8", progress=False,
+                         sequential=Sequential(cache_budget_mb=0, cache_dir=tmp_path))
+    finally:
+        handle.remove()
+
+
+def test_sigterm_removes_the_spill_folder_and_still_ends_the_process(tmp_path):
+    # the folder (the size of the cached activations) was left behind: only SIGINT unwound
+    (tmp_path / "mine.pt").write_bytes(b"kept")
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert "not stopped" not in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.pt"]
+
+
+def test_a_handler_of_the_programs_own_decides_and_is_kept(tmp_path):
+    class Stop(Exception):
+        pass
+
+    def own(signum, frame):
+        raise Stop
+
+    def send(folder):
+        assert list(folder.glob("quantscope-seq-*/*.pt"))  # spilled by now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    model, batches = llama()
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        with pytest.raises(Stop):
+            _spilling(tmp_path, model, batches, send)
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_default_handler_is_back_after_a_run_and_a_thread_runs_without_one(tmp_path):
+    model, batches = llama()
+    seen = []
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (whatever the test runner set)
+    try:
+        _spilling(tmp_path, model, batches,
+                  lambda folder: seen.append(signal.getsignal(signal.SIGTERM)))
+        assert seen and seen[0] is not signal.SIG_DFL  # the run's own, while it held the folder
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    errors = []
+
+    def run():
+        try:
+            _spilling(tmp_path, model, batches, lambda folder: None)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not errors and not list(tmp_path.iterdir())

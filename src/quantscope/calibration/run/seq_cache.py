@@ -1,11 +1,14 @@
 """The activations sequential calibration (:mod:`.sequential`) caches per batch: each
 block's hidden states (:class:`Cache`, in memory within a shared budget, else spilled to
-files) and every block's other arguments (:class:`Contexts`)."""
+files) and every block's other arguments (:class:`Contexts`); and SIGTERM unwinding the run
+while it holds its spill folder, as Ctrl-C does (:func:`sigterm_unwinds`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -13,7 +16,7 @@ import torch
 from .batches import map_tensors, tensors_in
 from .block_order import fill, split_contexts
 
-__all__ = ["Cache", "Contexts"]
+__all__ = ["Cache", "Contexts", "Terminated", "sigterm_unwinds"]
 
 
 class Cache:
@@ -98,3 +101,39 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread by :func:`sigterm_unwinds`'s handler: a
+    BaseException, as KeyboardInterrupt, so that no ``except Exception`` stops it."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """Inside, a SIGTERM (``kill``, ``timeout``, ``docker stop``, Slurm's preemption) raises
+    :class:`Terminated`, so the ``finally`` blocks inside run (the spill folder removed);
+    leaving, the handler as it was, and a :class:`Terminated` that came out delivers the
+    signal again, so the process ends as it would have (by the signal, exit status -15).
+    Only where SIGTERM's handler is the default one (ending the process at once) and on the
+    main thread (the only one a handler can be set on); a handler of the program's own is
+    left to decide. A second SIGTERM while unwinding is not raised again (the cleanup runs
+    whole) but is the one delivered at the end."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    fired = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise Terminated("SIGTERM: the sequential calibration was stopped")
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:  # (not one set since: kept)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if fired:  # (the exception, or one that replaced it while unwinding)
+            signal.raise_signal(signal.SIGTERM)

@@ -24,9 +24,9 @@ gives the qparams of the whole-model pass.
 
 Cached activations are kept in memory up to ``cache_budget_mb`` and spilled to a
 temporary folder beyond it, made once the checkpoint is opened and its warnings given, and
-removed at the end, on an error or an interrupt (Ctrl-C) too; not where the process is
-killed (SIGKILL, the out-of-memory killer): then ``cache_dir`` keeps a ``quantscope-seq-*``
-folder to delete.
+removed at the end, on an error, Ctrl-C or SIGTERM too (:func:`.seq_cache.sigterm_unwinds`);
+not where the process is killed (SIGKILL, the out-of-memory killer): then ``cache_dir``
+keeps a ``quantscope-seq-*`` folder to delete.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
 from .block_order import NotAChain, check_disjoint, find_blocks, free_zeros, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, open_checkpoint, unload_params
-from .seq_cache import Cache, Contexts
+from .seq_cache import Cache, Contexts, sigterm_unwinds
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "batch_source", "calibrate_sequential",
            "find_blocks"]
@@ -257,18 +257,20 @@ def _check_mode(mode, recipes, options, cache_budget_mb):
 
 @contextlib.contextmanager
 def _restoring(run, layers, originals, cache_dir):
-    """``run``'s spill folder made (in ``cache_dir``), and whatever happens inside: the
-    model's own blocks back in ``layers``, the loaded weights unloaded, the folder removed."""
-    try:
-        run.folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
-        yield
-    finally:
-        for j, block in enumerate(originals):
-            layers[j] = block
-        for names in list(run.loaded):
-            run.unload(names)
-        if run.folder is not None:
-            shutil.rmtree(run.folder, ignore_errors=True)
+    """``run``'s spill folder made (in ``cache_dir``), and whatever happens inside (SIGTERM
+    too): the model's own blocks back in ``layers``, the loaded weights unloaded, the folder
+    removed."""
+    with sigterm_unwinds():
+        try:
+            run.folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
+            yield
+        finally:
+            for j, block in enumerate(originals):
+                layers[j] = block
+            for names in list(run.loaded):
+                run.unload(names)
+            if run.folder is not None:
+                shutil.rmtree(run.folder, ignore_errors=True)
 
 
 def calibrate_sequential(calibrate_many, model, batches, recipes, *, mode="float",
