@@ -143,3 +143,43 @@ def test_the_default_handler_is_back_after_a_run_and_a_thread_runs_without_one(t
     thread.start()
     thread.join()
     assert not errors and not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- sequences of 0 tokens
+def _batch_kinds(ids):
+    return {"tensor": (ids, "input"), "dict": ({"input_ids": ids}, "input_ids"),
+            "tuple": ((ids,), "argument 0")}
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", "tuple"])
+@pytest.mark.parametrize("stream", [False, True], ids=["list", "generator"])
+@pytest.mark.parametrize("sequential", [False, True], ids=["whole", "sequential"])
+def test_a_batch_of_empty_sequences_is_refused_naming_it_before_any_forward(
+        kind, stream, sequential):
+    # sequential=False met "cannot reshape tensor of 0 elements" in the attention, and
+    # sequential=True an IndexError in transformers' packed-sequence check: neither named
+    # the batch
+    model, batches = llama()
+    good, where = _batch_kinds(batches[0])[kind]
+    empty, _ = _batch_kinds(torch.zeros(2, 0, dtype=torch.long))[kind]
+    given = [good, empty]
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=rf"calibrate: batch 1's {where} has shape \(2, "
+                                             rf"0\): its dimension 1 is empty"):
+            calibrate(model, iter(given) if stream else given, "w8a8", progress=False,
+                      sequential=sequential)
+    finally:
+        handle.remove()
+    # a list is checked before any forward; a stream's batch before its own (the stream's
+    # first batch forwarded once by fusion detection and once by the pass, or traced)
+    assert len(calls) <= (2 if stream else 0)
+
+
+def test_a_batch_of_zero_rows_is_still_passed_over():
+    # 0 rows (every module passes them through) are not empty sequences: no new refusal
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    batches = [torch.randn(4, 8), torch.randn(0, 8)]
+    assert_same_qparams(calibrate(lin, batches, "w8a8", progress=False),
+                        calibrate(lin, batches[:1], "w8a8", progress=False))

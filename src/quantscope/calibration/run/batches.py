@@ -16,7 +16,8 @@ from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
 __all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "is_kv_cache",
-           "map_tensors", "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
+           "length_checked", "map_tensors", "module_input", "nan_parameter", "peek",
+           "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -100,6 +101,64 @@ def check_batches(batches, who: str = "calibrate") -> None:
         raise TypeError(f"{who}: batches must be an iterable of batches (tensors, tuples or "
                         f"dicts, e.g. a tokenizer's output per batch), got "
                         f"{type(batches).__name__} {_short(batches)}")
+
+
+def length_checked(batches, lengths: bool = True, who: str = "calibrate"):
+    """``batches`` checked by :func:`check_batches`, and (``lengths``) each batch by
+    :func:`check_length`: a list or tuple all now (before any forward), a stream (a
+    generator, a DataLoader) each batch as it is read, so before its first forward (its
+    length kept: :func:`batch_count`)."""
+    check_batches(batches, who)
+    if not lengths:
+        return batches
+    if isinstance(batches, (list, tuple)):
+        for i, batch in enumerate(batches):
+            check_length(batch, i, who)
+        return batches
+    return _LengthChecked(batches, who)
+
+
+class _LengthChecked:
+    def __init__(self, source, who: str):
+        self.source, self.who, self.read = source, who, 0
+
+    def __iter__(self):
+        it = iter(self.source)
+        once = it is self.source  # a generator: a second read goes on where the first stopped
+        i = self.read if once else 0
+        for batch in it:
+            check_length(batch, i, self.who)
+            i += 1
+            self.read = i if once else 0
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.source)  # TypeError where it has none, as the source's
+
+
+def check_length(batch, i: int, who: str = "calibrate") -> None:
+    """Raise where batch ``i``'s input (its first tensor: ``input_ids``, ``inputs_embeds``, the
+    first argument) has rows but an empty dimension after them (sequences of 0 tokens): the
+    model fails on it somewhere inside its forward (an attention's reshape), the sequential
+    pass elsewhere. A batch of 0 rows is passed over (every module passes it through), as
+    before. Shapes only: no tensor is read."""
+    if isinstance(batch, dict) or hasattr(batch, "keys"):
+        items = ((k, batch[k]) for k in batch.keys())  # noqa: SIM118 (what ** reads)
+    elif isinstance(batch, (tuple, list)):
+        items = ((f"argument {k}", v) for k, v in enumerate(batch))
+    else:
+        items = (("input", batch),)
+    for name, value in items:
+        t = next(tensors_in(value), None)
+        if t is None:
+            continue
+        if not t.is_nested and t.dim() >= 2 and t.shape[0] > 0 and 0 in t.shape[1:]:
+            d = list(t.shape).index(0, 1)
+            what = " (sequences of 0 tokens)" if d == 1 else ""
+            raise ValueError(f"{who}: batch {i}'s {name} has shape {tuple(t.shape)}: its "
+                             f"dimension {d} is empty{what}, so there is nothing to "
+                             f"calibrate on; leave the batch out")
+        return
 
 
 def _short(value) -> str:

@@ -53,7 +53,7 @@ from ..structure.fusion import one_fusion
 from ..structure.placement import check_placement, refuse_compiled
 from . import imatrix_roles
 from . import sequential as _sequential
-from .batches import batch_count, check_batches
+from .batches import batch_count, check_batches, length_checked
 from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
@@ -155,7 +155,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
     with (qd.all_or_none("calibrate's checks", opts.runtime.group, same_type=True)
           if opts.runtime.distributed else contextlib.nullcontext()):
         recipes = _checked(model, recipes, opts, top)
-        check_batches(batches)
+        batches = length_checked(batches, lengths=top)  # (a piece's batches are numbers)
         scored = opts.auto.metric == "model" and any(map(has_auto, recipes.values()))
         if scored:
             # read twice, the scoring prefix only: calibrated on, then scored on
