@@ -80,3 +80,21 @@ def test_torch_path_equals_the_kernel_path(name, sid):
         kernels._libs = saved
     ref = _observe(name, spec, "cpu").calculate_qparams()
     assert torch.equal(qp.scale, ref.scale) and torch.equal(qp.zero_point, ref.zero_point)
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+@pytest.mark.parametrize("non_finite", ["error", "ignore"])
+@pytest.mark.parametrize("name", ["minmax", "static_minmax", "memoryless_minmax"])
+def test_min_max_observers_off_cpu_keep_no_scratch_pair(name, non_finite, device):
+    """Off the CPU the min / max ops make their own per-unit pair (the scratch pair is the C
+    kernels' and torch's CPU out= memory): no call keeps one, the first nor a fused update
+    (``non_finite="ignore"`` takes the general path there). Each was the state's size again,
+    kept for the observer's life and never written."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    obs = quantscope.get_observer(name, QuantSpec("int8", Channel(0)), non_finite=non_finite)
+    obs.to(device)
+    for x in _batches() * 2:
+        obs(x.to(device))
+        assert "_scratch" not in obs.__dict__
+    assert obs.min_vals.shape == (16,) and obs.min_vals.device.type == device

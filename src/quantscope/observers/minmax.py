@@ -71,8 +71,11 @@ class MinMaxStateObserver(Observer):
 
     def _minmax_out(self, count):
         # a scratch pair reused across calls: the state is updated from it, never aliases it
-        # (a first call's pair the state takes is forgotten then: _observe)
+        # (a first call's pair the state takes is forgotten then: _observe). Only on the CPU:
+        # off it the ops make their own pair (unit_minmax, layout_minmax write none given)
         dev = self._buffers["min_vals"].device
+        if dev.type != "cpu":
+            return None
         if torch.compiler.is_compiling():  # Inductor gave a cached scratch and the state
             return _pair(count, dev)  # one buffer
         scratch = self.__dict__.get("_scratch")
