@@ -2,8 +2,9 @@
 words (:func:`quantscope.cli.calibrate.shell_word`), warning lines
 (:func:`quantscope.cli._warning_lines`), a strict stream that must print any path
 (:func:`quantscope.cli._printable_streams`), and a compat class's name in any case refused as
-one (:func:`quantscope.cli.checks.check_observer_name`). Pins mutants SW02, SW04, CI04, CI05,
-CI09 and CK04 of mutation round s55."""
+one (:func:`quantscope.cli.checks.check_observer_name`), and an argparse error with a line
+break as one line. Pins mutants SW02, SW04, CI04, CI05, CI09 and CK04 of mutation round s55,
+and CI01 of its second round (mut2)."""
 
 import io
 import os
@@ -116,3 +117,15 @@ def test_a_recipe_files_compat_class_in_another_case_is_refused_as_one(tmp_path)
     with pytest.raises(UsageError, match=r"rules\[0\]\.weight\) 'TORCH.AO:MinMaxObserver' is "
                                          r"a compat class"):
         read_recipe_file(str(path))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["formats", "first\nsecond"], "unrecognized arguments: first second (quantscope formats"),
+    (["calibrate", "--bo\n  gus", "x"], "unrecognized arguments: --bo gus x (quantscope calibrate")])
+def test_an_argparse_error_with_a_line_break_is_one_line(capsys, argv, said):
+    """An argparse error is one line on stderr even where a word the user gave holds a line
+    break (an unrecognized argument): its lines joined by one space each, so no second line
+    reads as a message of its own."""
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"quantscope {argv[0]}: error: {said}"), err

@@ -157,6 +157,20 @@ def test_a_recipe_file_may_leave_out_a_roles_observer_dynamic_and_options(tmp_pa
     assert got == Recipe(Rule(("Linear",), input=Role(QuantSpec.from_dict(spec))), name="short")
 
 
+
+@pytest.mark.parametrize("spelt", ["auto", "Auto", "AUTO"])
+def test_a_recipe_files_auto_role_is_read_not_built(tmp_path, spelt):
+    """A role's ``observer: auto`` (in any case, docs/guide/command-line.md) reads as
+    ``auto``: each of its candidates is built at calibration; checking it as one observer
+    (built with its options for the spec, as the other names are) refused it as unknown."""
+    from quantscope.cli.recipes import read_recipe_file
+
+    spec = {"format": "int8", "layout": "tensor"}
+    got = read_recipe_file(_recipe_file(tmp_path, {"name": "chooses", "rules": [
+        {"targets": ["Linear"], "weight": {"spec": spec, "observer": spelt},
+         "input": {"spec": spec, "observer": spelt}}]}))
+    assert (got.rules[0].weight.observer, got.rules[0].input.observer) == ("auto", "auto")
+
 _DUPLICATES = {
     "top.yaml": "name: mine\nignore: [lm_head]\nrules: []\nignore: []\n",
     "spec.yaml": ("name: mine\nrules:\n- targets: [Linear]\n  weight:\n    spec: {format: int4, "
