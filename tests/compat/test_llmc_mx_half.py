@@ -54,3 +54,20 @@ def test_mx_scale_in_dtype_keeps_normal_amaxes_and_never_gives_zero():
     for dtype in (torch.bfloat16, torch.float32):  # both hold 2**-127 .. : float32's scales
         assert torch.equal(mx_scale_in_dtype(fp32, -amax, amax, FP4_E2M1, dtype),
                            fp32.to(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "want"), [(torch.float16, WANT_FP16),
+                                             (torch.bfloat16, WANT_BF16)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_imatrix_prices_mx_candidates_with_the_same_scales(bits, dtype, want):
+    """imatrix_mse's search prices each candidate range of a half-precision MX weight with
+    compressed-tensors' scale of it (``candidate_qparams``), the blocks below float16's
+    smallest normal included: a plain cast of float32's power of two (2**-19 for an amax of
+    1e-5) priced candidates with scales llm-compressor never gives."""
+    from quantscope.compat.llmcompressor_imatrix import candidate_qparams
+    from quantscope.compat.llmcompressor_spec import llmcompressor_spec
+
+    amax = torch.tensor(AMAX, dtype=torch.float64).to(dtype)
+    scale, zp = candidate_qparams(-amax, amax, llmcompressor_spec(_mx(bits), "weight"))
+    assert scale.dtype == dtype and not zp.any()
+    assert scale.float().log2().tolist() == want[bits]
