@@ -56,3 +56,26 @@ def test_a_nan_errors_args_leave_unset_fields_out():
     assert ("input_activations {num_bits: 8, type: float, symmetric: true, strategy: tensor}"
             in text), text
     assert "None" not in text and "block_structure" not in text, text
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+     "scale_dtype": torch.uint8, "zp_dtype": torch.uint8},
+    {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}],
+    ids=["mxfp4", "int4"])
+@pytest.mark.parametrize("name", ["quantscope_memoryless_minmax", "quantscope_mse"])
+def test_qparams_before_any_data_is_llmcompressors_error(name, fields):
+    """``get_qparams`` with no statistics raises llm-compressor's own assertion, as its own
+    observers do, MX schemes too: their range is read (for the scale in the dtype) only
+    where there are statistics, else quantscope's "called before any tensor was observed"
+    ValueError came first."""
+    import quantscope.integrations.llmcompressor  # noqa: F401  (registers quantscope_<name>)
+
+    said = []
+    for each in ("memoryless_minmax", name):
+        obs = Observer.load_from_registry(each, base_name="weight",
+                                          args=QuantizationArgs(**fields))
+        with pytest.raises(AssertionError) as e:
+            obs.get_qparams()
+        said.append(str(e.value))
+    assert said[0] == said[1] and "No statistics available" in said[1]
