@@ -85,3 +85,17 @@ def test_the_export_and_the_reader_share_one_kv_scheme_rule(kv_only):
     assert kv_scheme_problem(args) is None
     assert {f: getattr(getattr(args, f), "value", getattr(args, f)) for f in KV_SCHEME} == {
         f: want for f, (want, _) in KV_SCHEME.items()}
+
+
+@pytest.mark.parametrize(("fields", "field"), [({"type": "int"}, "type"),
+                                               ({"symmetric": False}, "symmetric")])
+def test_check_reports_a_kv_cache_scheme_the_reader_refuses(kv_only, tmp_path, fields, field):
+    # `quantscope check` found nothing here while from_compressed_tensors refused the folder
+    from quantscope.exporters.consistency import check, format_problems
+
+    folder = _scheme(kv_only, tmp_path / "e", **fields)
+    problems = check(folder)
+    assert [p["group"] for p in problems] == ["kv_cache_scheme"], problems
+    assert format_problems(problems).startswith(
+        f"{folder / 'config.json'}: quantization_config.kv_cache_scheme.{field} is ")
+    assert check(kv_only) == []

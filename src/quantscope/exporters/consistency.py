@@ -38,6 +38,7 @@ from .._plainchecks import block_structure
 from .moe_slots import expert_slot
 from .read_checks import (
     SCALE_LEAVES,
+    kv_scheme_problem,
     parse_quant_config,
     read_quant_config,
     safetensors_headers,
@@ -290,7 +291,10 @@ def check(path) -> list[dict]:
     Each problem is ``{"group": fused layer name, "layers": [shard layers], "tensor":
     scale name, "values": {layer: value}}`` for shards that disagree (with ``"held_by":
     [layers]`` where only some shards hold the scale: their schemes differ), or
-    ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale, and
+    ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale,
+    ``{"group": "kv_cache_scheme", "tensor": "config", "kv": why}`` for a KV cache scheme the
+    export never writes and the reader refuses (``read_checks.KV_SCHEME``: vLLM would run its
+    scales as fp8 ones; checked where compressed-tensors is installed), and
     ``{"group": experts module, "experts": "w13" or the down shard, ...}`` for experts that
     disagree on an input scale the fused MoE layer holds once (``"held_by"`` where only some
     experts hold it), and ``{"group": ..., "layers": [shards], "tensor": "weight", "float":
@@ -311,16 +315,22 @@ def check(path) -> list[dict]:
     if not folder.is_dir():
         raise FileNotFoundError(f"check: {str(path)!r} is not a directory")
     cfg_file, _, qc = read_quant_config(folder, "check")
+    problems = []
     if importlib.util.find_spec("compressed_tensors") is not None:  # optional (peers extra)
-        parse_quant_config(cfg_file, qc, "check")  # the fields from_compressed_tensors reads
+        # the fields from_compressed_tensors reads; the KV cache scheme it and the export take
+        kv = parse_quant_config(cfg_file, qc, "check").kv_cache_scheme
+        if kv is not None and (why := kv_scheme_problem(kv)):
+            problems.append({"group": "kv_cache_scheme", "layers": [], "tensor": "config",
+                             "values": {}, "kv": f"{cfg_file}: quantization_config."
+                                                 f"kv_cache_scheme.{why}"})
     entries = safetensors_headers(folder, "check")
     if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"check: {str(path)!r} holds no .safetensors files")
     if not entries:
         raise ValueError(f"check: the .safetensors files of {str(path)!r} hold no tensor")
     strategy, scheme = _weight_strategies(qc), _schemes(qc)
-    problems = [{"group": name, "layers": targets, "tensor": "config", "values": {},
-                 "vllm": why} for name, targets, why in unservable(qc, entries)]
+    problems += [{"group": name, "layers": targets, "tensor": "config", "values": {},
+                  "vllm": why} for name, targets, why in unservable(qc, entries)]
     problems += _scale_problems(entries)
     problems += block_problems(qc, entries)
     for group, every, layers in _fused(entries):
@@ -353,7 +363,9 @@ def format_problems(problems: list[dict]) -> str:
     lines = []
     for p in problems:
         vals = ", ".join(f"{k}={v:.9g}" for k, v in p["values"].items())
-        if p.get("vllm"):
+        if p.get("kv"):
+            lines.append(p["kv"])
+        elif p.get("vllm"):
             lines.append(f"{describe(p['group'], p['layers'])}: {p['vllm']}")
         elif p.get("block_rows"):
             rows = ", ".join(f"{k} has {v}" for k, v in p["rows"].items())
