@@ -2,9 +2,6 @@
 KV cache calibrated on some attention modules only, and the reader refuses a dynamic
 ``kv_cache_scheme`` and k_scale / v_scale on a module that is no attention."""
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -13,7 +10,7 @@ from quantscope.calibration import Calibration, Recipe, calibrate
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from safetensors.torch import load_file, save_file
+from ct_folders import edited, kv_only_export
 from tiny_models import llama
 
 torch.set_num_threads(1)
@@ -21,25 +18,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def kv_only(tmp_path_factory):
-    """A tiny Llama's KV-cache-only export (every attention's k_scale / v_scale)."""
-    model, batches = llama()
-    out = tmp_path_factory.mktemp("ct") / "kv"
-    calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False).export(model, out)
-    return out
-
-
-def _edited(src, dst, tensors=None, config=None):
-    shutil.copytree(src, dst)
-    (f,) = dst.glob("*.safetensors")
-    if tensors:
-        t = load_file(f)
-        tensors(t)
-        save_file(t, f, metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return kv_only_export(tmp_path_factory.mktemp("ct") / "kv")
 
 
 def test_a_kv_cache_on_some_attention_layers_only_is_refused(tmp_path):
@@ -65,8 +44,8 @@ def test_a_dynamic_kv_cache_scheme_is_refused(kv_only, tmp_path, keep):
         for k in [k for k in t if k.endswith(("k_scale", "v_scale"))]:
             t.pop(k)
 
-    folder = _edited(kv_only, tmp_path / "dyn", None if keep else drop,
-                     lambda qc: qc["kv_cache_scheme"].__setitem__("dynamic", True))
+    folder = edited(kv_only, tmp_path / "dyn", None if keep else drop,
+                    lambda qc: qc["kv_cache_scheme"].__setitem__("dynamic", True))
     with pytest.raises(ValueError, match=r"kv_cache_scheme\.dynamic is True: quantscope's KV "
                                          r"cache supports static scales only"):
         Calibration.from_compressed_tensors(folder)
@@ -79,8 +58,8 @@ def test_a_per_head_kv_cache_scheme_is_refused_naming_the_strategy(kv_only, tmp_
         for k in [k for k in t if k.endswith(("k_scale", "v_scale"))]:
             t[k] = t[k].reshape(1, 1, 1).expand(2, 1, 1).clone()
 
-    folder = _edited(kv_only, tmp_path / "head", per_head,
-                     lambda qc: qc["kv_cache_scheme"].__setitem__("strategy", "attn_head"))
+    folder = edited(kv_only, tmp_path / "head", per_head,
+                    lambda qc: qc["kv_cache_scheme"].__setitem__("strategy", "attn_head"))
     with pytest.raises(ValueError, match=r"kv_cache_scheme\.strategy is 'attn_head': "
                                          r"quantscope's KV cache has one scale per tensor"):
         Calibration.from_compressed_tensors(folder)
@@ -98,7 +77,7 @@ def test_kv_scales_on_a_module_that_is_no_attention_are_refused(kv_only, tmp_pat
         for leaf in leaves:
             t[f"{_MLP}.{leaf}"] = torch.tensor([0.01])
 
-    folder = _edited(kv_only, tmp_path / "mlp", add)
+    folder = edited(kv_only, tmp_path / "mlp", add)
     with pytest.raises(ValueError, match=rf"'{_MLP}\.k_scale' is on {_MLP} \(LlamaMLP\), "
                                          rf"which is no cached attention module: k_scale / "
                                          rf"v_scale belong to attention modules"):
@@ -114,7 +93,7 @@ def test_the_fixed_checks_leave_a_whole_kv_cache_export_readable(kv_only):
 def test_a_folder_with_kv_scales_on_some_attention_layers_only_is_refused(kv_only, tmp_path):
     # read without a word: apply() kept layer 1's cache in float where the runtime quantizes
     # it with the one kv_cache_scheme (and an uninitialised or 1.0 scale)
-    folder = _edited(kv_only, tmp_path / "partial", lambda t: [
+    folder = edited(kv_only, tmp_path / "partial", lambda t: [
         t.pop(f"model.layers.1.self_attn.{leaf}") for leaf in ("k_scale", "v_scale")])
     with pytest.raises(ValueError, match=r"attention modules \['model\.layers\.1\.self_attn'\] "
                                          r"have no k_scale / v_scale"):

@@ -6,9 +6,7 @@ config group targets (``initialize_attn_qparams``), and vLLM's attention reads `
 quantscope's KV cache quantizes keys and values only: the reader dropped both tensors without
 a word, where docs/guide/deploy.md promises "refused, never dropped"."""
 
-import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -18,7 +16,8 @@ from quantscope.calibration import Calibration, calibrate, preset
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from safetensors.torch import load_file, save_file
+from ct_folders import edited
+from safetensors.torch import load_file
 from tiny_models import llama
 
 torch.set_num_threads(1)
@@ -39,20 +38,6 @@ def exports(tmp_path_factory):
     return out
 
 
-def _edited(src, dst, tensors=None, config=None):
-    shutil.copytree(src, dst)
-    (f,) = dst.glob("*.safetensors")
-    if tensors:
-        t = load_file(f)
-        tensors(t)
-        save_file(t, f, metadata={"format": "pt"})
-    if config:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def _add(leaf):
     def edit(t):
         for i in range(2):
@@ -64,7 +49,7 @@ def _add(leaf):
 @pytest.mark.parametrize("kind", ["kv", "plain"])
 def test_an_attention_query_or_probability_scale_is_refused_not_dropped(exports, tmp_path,
                                                                          leaf, kind):
-    folder = _edited(exports[kind], tmp_path / "e", _add(leaf))
+    folder = edited(exports[kind], tmp_path / "e", _add(leaf))
     with pytest.raises(ValueError) as e:
         Calibration.from_compressed_tensors(folder)
     msg = str(e.value)
@@ -77,7 +62,7 @@ def test_an_attention_query_or_probability_scale_is_refused_not_dropped(exports,
 def test_an_attention_zero_point_is_refused_not_dropped(exports, tmp_path, leaf):
     # compressed-tensors makes these beside the attention's scales; a symmetric fp8 KV cache
     # saves none, and the reader dropped one without a word
-    folder = _edited(exports["kv"], tmp_path / "e", _add(leaf))
+    folder = edited(exports["kv"], tmp_path / "e", _add(leaf))
     with pytest.raises(ValueError) as e:
         Calibration.from_compressed_tensors(folder)
     msg = str(e.value)
@@ -112,8 +97,8 @@ def test_an_attention_config_group_is_refused_naming_the_tensors_written_there(
         exports, tmp_path, q_scale, kv_scheme):
     # it named input_scale ("compressed-tensors writes only ['input_scale'] for this layer's
     # quantization"), which compressed-tensors never writes on an attention module
-    folder = _edited(exports["kv"], tmp_path / "e", _add("q_scale") if q_scale else None,
-                     _attention_group(kv_scheme))
+    folder = edited(exports["kv"], tmp_path / "e", _add("q_scale") if q_scale else None,
+                    _attention_group(kv_scheme))
     with pytest.raises(ValueError) as e:
         Calibration.from_compressed_tensors(folder)
     msg = str(e.value)

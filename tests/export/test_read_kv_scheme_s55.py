@@ -4,36 +4,27 @@ or config field")."""
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
 
-from quantscope.calibration import Calibration, Recipe, calibrate
+from quantscope.calibration import Calibration
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from tiny_models import llama
+from ct_folders import edited, kv_only_export
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def kv_only(tmp_path_factory):
-    """A tiny Llama's KV-cache-only export (every attention's k_scale / v_scale)."""
-    model, batches = llama()
-    out = tmp_path_factory.mktemp("ct") / "kv"
-    calibrate(model, batches, Recipe((), kv_cache="fp8"), progress=False).export(model, out)
-    return out
+    return kv_only_export(tmp_path_factory.mktemp("ct") / "kv")
 
 
 def _scheme(src, dst, **fields):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"]["kv_cache_scheme"].update(fields)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return edited(src, dst, config=lambda qc: qc["kv_cache_scheme"].update(fields))
 
 
 def _refusal(folder, field, value):
