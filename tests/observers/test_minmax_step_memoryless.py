@@ -131,10 +131,16 @@ def test_inference_mode_and_grad_input():
     assert not obs.min_vals.is_inference() and obs._state_ends is not None
 
 
-def test_a_memoryless_subclass_overriding_a_step_keeps_the_general_path():
+@pytest.mark.parametrize("declared", [(), ("_observe",)], ids=["undeclared", "names-it"])
+def test_a_memoryless_subclass_overriding_a_step_keeps_the_general_path(declared):
+    """Its override runs on every call, whether or not the class names it in
+    ``_step_overrides``: only ``PLAN_CHECKED`` steps can be declared (``_observe`` is a step
+    no plan runs)."""
     calls = []
 
     class Spy(MemorylessMinMaxObserver):
+        _step_overrides = declared
+
         def _observe(self, units, lo, hi):
             calls.append(1)
             super()._observe(units, lo, hi)
@@ -177,17 +183,3 @@ def test_declared_overrides_run_where_the_base_steps_would():
     for i in range(3):
         obs(g(i, 8, 64))
     assert "_cpu_plans" not in obs.__dict__
-
-    calls = []
-
-    class NamesItsObserve(MemorylessMinMaxObserver):  # its own word, for a step no plan runs
-        _step_overrides = ("_observe",)
-
-        def _observe(self, units, lo, hi):
-            calls.append(1)
-            super()._observe(units, lo, hi)
-
-    obs = NamesItsObserve(QuantSpec("int8", Tensor()))
-    for i in range(3):
-        obs(g(i, 8, 64))
-    assert len(calls) == 3 and "_cpu_plans" not in obs.__dict__  # only PLAN_CHECKED steps
