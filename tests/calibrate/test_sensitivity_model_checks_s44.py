@@ -118,3 +118,28 @@ def test_a_model_that_is_no_module_is_refused_naming_its_type(who, call):
         with pytest.raises(TypeError, match=rf"^{who}: model must be a torch.nn.Module, got "
                                             rf"{name}$"):
             call(bad, xs, calib)
+
+
+@pytest.mark.parametrize("who", sorted(_MEASURES))
+@pytest.mark.parametrize("kind", ["tensor", "dict"])
+def test_a_batch_of_empty_sequences_is_refused_before_any_forward(who, kind):
+    # token ids of 0 tokens counted as one (a document kept), so the model's attention met
+    # "cannot reshape tensor of 0 elements" and nothing named the batch
+    model, batches = llama(0)
+    calibration = quantscope.calibrate(model, batches, "w8a8", progress=False)
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    empty, where = (ids, "input") if kind == "tensor" else ({"input_ids": ids}, "input_ids")
+    calls = _forwards(model)
+    with pytest.raises(ValueError, match=rf"^{who}: batch 1's {where} has shape \(2, 0\): "
+                                         rf"its dimension 1 is empty"):
+        _MEASURES[who](model, [batches[0], empty], calibration)
+    assert not calls
+
+
+def test_sensitivity_refuses_empty_sequences_before_calibrating():
+    model, batches = llama(0)
+    calls = _forwards(model)
+    with pytest.raises(ValueError, match=r"^sensitivity: batch 0's input_ids has shape"):
+        quantscope.sensitivity(model, iter([{"input_ids": torch.zeros(1, 0, dtype=torch.long)}]),
+                               "w8a8", calib_batches=batches, progress=False)
+    assert not calls

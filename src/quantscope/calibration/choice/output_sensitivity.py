@@ -14,7 +14,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from ..results.apply import refuse_applied
 from ..results.result import Calibration
-from ..run.batches import check_batches
+from ..run.batches import length_checked
 from ..run.observe import with_progress
 from ..structure.placement import check_module
 from ..structure.tied import tied_weights
@@ -37,7 +37,7 @@ def measure(model: nn.Module, batches, calibration: Calibration, loss=None,
     be the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``). A
     weight several calibrated layers hold (tied) is one tensor: measured once, with all
     their states, its rows share that divergence, and ``info["tied"]`` lists the holders."""
-    check_call("sensitivity", model, batches, calibration)
+    batches = check_call("sensitivity", model, batches, calibration)
     t0 = time.perf_counter()
     div = OutputDivergence(model, batches, loss, who="sensitivity")
     todo = [(layer, role, st) for layer, rs in calibration.states.items()
@@ -87,20 +87,23 @@ def _tied(model: nn.Module, calibration: Calibration, layers) -> dict[str, tuple
     return out
 
 
-def check_call(who: str, model, batches, calibration) -> None:
+def check_call(who: str, model, batches, calibration):
     """:func:`measure`'s and :func:`~.sensitivity.layer_sensitivity`'s checks before any
     forward: batches as ``quantscope.sensitivity`` takes them (one tensor would be read row
-    by row, one dict key by key), a Calibration, and ``model`` the float model it belongs
-    to, by apply()'s own rule (``Calibration.check_model``: the weight fingerprints
-    calibrate recorded, its SmoothQuant smoothing): a ranking of other weights ranks what
-    apply() refuses to run (``calibration.without_fingerprints()`` takes them knowingly)."""
-    check_batches(batches, who)
+    by row, one dict key by key; a batch of 0-token sequences is refused as calibrate
+    refuses it), a Calibration, and ``model`` the float model it belongs to, by apply()'s
+    own rule (``Calibration.check_model``: the weight fingerprints calibrate recorded, its
+    SmoothQuant smoothing): a ranking of other weights ranks what apply() refuses to run
+    (``calibration.without_fingerprints()`` takes them knowingly). Returns the batches to
+    read (:func:`~..run.batches.length_checked`'s)."""
+    batches = length_checked(batches, who=who)
     if not isinstance(calibration, Calibration):
         raise TypeError(f"{who}: calibration must be a Calibration, got "
                         f"{type(calibration).__name__}")
     check_module(model, who)
     refuse_applied(model, who, "its float reference would be the fake-quantized model")
     calibration.check_model(model, who)
+    return batches
 
 
 def convolutions(modules: dict) -> list[str]:

@@ -153,7 +153,7 @@ def layer_sensitivity(model: nn.Module, batches, calibration: Calibration, *,
     calling it), an MoE expert no token was routed to. :func:`measure`
     (``quantscope.sensitivity``), by the whole model's output, ranks them. ``model`` must be
     the one calibrated, as ``calibration.apply`` checks (``Calibration.check_model``)."""
-    check_call("layer_sensitivity", model, batches, calibration)
+    batches = check_call("layer_sensitivity", model, batches, calibration)
     return _layer_ranking(model, batches, calibration, roles)
 
 

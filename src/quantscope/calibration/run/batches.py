@@ -156,8 +156,8 @@ def check_length(batch, i: int, who: str = "calibrate") -> None:
             d = list(t.shape).index(0, 1)
             what = " (sequences of 0 tokens)" if d == 1 else ""
             raise ValueError(f"{who}: batch {i}'s {name} has shape {tuple(t.shape)}: its "
-                             f"dimension {d} is empty{what}, so there is nothing to "
-                             f"calibrate on; leave the batch out")
+                             f"dimension {d} is empty{what}, so the model has nothing to "
+                             f"run on; leave the batch out")
         return
 
 

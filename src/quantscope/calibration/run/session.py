@@ -53,7 +53,7 @@ from ..structure.fusion import one_fusion
 from ..structure.placement import check_placement, refuse_compiled
 from . import imatrix_roles
 from . import sequential as _sequential
-from .batches import batch_count, check_batches, length_checked
+from .batches import batch_count, length_checked
 from .dist_pass import calibrate_distributed
 from .exclusive import calibrating
 from .finish import build_states
@@ -478,7 +478,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
         raise ValueError(f"sensitivity: calibration= is measured as given, so "
                          f"{' and '.join(unused)} (how `recipe` is calibrated without it) "
                          f"would be ignored; give one or the other")
-    check_batches(batches, "sensitivity")
+    batches = length_checked(batches, who="sensitivity")
     check_placement(model, "sensitivity")  # first: a TypeError where model is no module
     refuse_compiled(model, "sensitivity")
     refuse_applied(model, "sensitivity")
