@@ -16,7 +16,7 @@ import torch
 from .batches import map_tensors, tensors_in
 from .block_order import fill, split_contexts
 
-__all__ = ["Cache", "Contexts", "Terminated", "sigterm_unwinds"]
+__all__ = ["Cache", "Contexts", "Terminated", "Unwinding", "sigterm_unwinds"]
 
 
 class Cache:
@@ -108,32 +108,45 @@ class Terminated(BaseException):
     BaseException, as KeyboardInterrupt, so that no ``except Exception`` stops it."""
 
 
+class Unwinding:
+    """What :func:`sigterm_unwinds` yields: ``fired``, a SIGTERM came; set ``quiet`` (a plain
+    attribute store: no bytecode that runs a signal handler) as the first step of a cleanup,
+    so a SIGTERM from then on waits for its end instead of cutting it short."""
+
+    __slots__ = ("fired", "quiet")
+
+    def __init__(self):
+        self.fired, self.quiet = False, False
+
+
 @contextlib.contextmanager
 def sigterm_unwinds():
     """Inside, a SIGTERM (``kill``, ``timeout``, ``docker stop``, Slurm's preemption) raises
     :class:`Terminated`, so the ``finally`` blocks inside run (the spill folder removed);
-    leaving, the handler as it was, and a :class:`Terminated` that came out delivers the
-    signal again, so the process ends as it would have (by the signal, exit status -15).
-    Only where SIGTERM's handler is the default one (ending the process at once) and on the
-    main thread (the only one a handler can be set on); a handler of the program's own is
-    left to decide. A second SIGTERM while unwinding is not raised again (the cleanup runs
-    whole) but is the one delivered at the end."""
+    leaving, the handler as it was, and a SIGTERM that came delivers the signal again, so
+    the process ends as it would have (by the signal, exit status -15). Only where SIGTERM's
+    handler is the default one (ending the process at once) and on the main thread (the
+    only one a handler can be set on); a handler of the program's own is left to decide. A
+    second SIGTERM while unwinding is not raised again, nor a first once the yielded
+    :class:`Unwinding` is ``quiet`` (the cleanup runs whole): it is the one delivered at the
+    end."""
+    state = Unwinding()
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
+        yield state
         return
-    fired = []
 
     def handler(signum, frame):
-        if not fired:
-            fired.append(signum)
+        first, state.fired = not state.fired, True
+        if first and not state.quiet:
             raise Terminated("SIGTERM: the sequential calibration was stopped")
 
     signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield state
     finally:
+        state.quiet = True
         if signal.getsignal(signal.SIGTERM) is handler:  # (not one set since: kept)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if fired:  # (the exception, or one that replaced it while unwinding)
+        if state.fired:  # (raised or not: the process ends as SIGTERM ends it)
             signal.raise_signal(signal.SIGTERM)

@@ -260,11 +260,12 @@ def _restoring(run, layers, originals, cache_dir):
     """``run``'s spill folder made (in ``cache_dir``), and whatever happens inside (SIGTERM
     too): the model's own blocks back in ``layers``, the loaded weights unloaded, the folder
     removed."""
-    with sigterm_unwinds():
+    with sigterm_unwinds() as unwinding:
         try:
             run.folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
             yield
         finally:
+            unwinding.quiet = True  # a SIGTERM from here waits for the cleanup's end
             for j, block in enumerate(originals):
                 layers[j] = block
             for names in list(run.loaded):
