@@ -492,7 +492,7 @@ def register_all() -> None:
         cls = type(f"Quantscope_{native}_Observer", (base,),
                    {"quantscope_name": native, "__module__": __name__,
                     "__doc__": f"quantscope's {native!r} observer as an llm-compressor Observer."})
-        Observer.register(name)(cls)
+        globals()[cls.__name__] = Observer.register(name)(cls)  # (pickled by that name)
 
 
 register_all()

@@ -1,0 +1,39 @@
+"""The llm-compressor plugin's observer classes (``quantscope_<name>``, made one per native
+name when the module is imported) pickle, as llm-compressor's own module-level classes do:
+``torch.save`` of a module holding one, or a process pool, found no class by its name.
+Runs in the peers' venv."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.peers
+
+llmc = pytest.importorskip("llmcompressor")
+from compressed_tensors.quantization import QuantizationArgs
+from llmcompressor.observers import Observer
+
+import quantscope.integrations.llmcompressor as qsl
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("name", qsl.observer_names())
+def test_a_pickled_observer_goes_on_as_the_original(name):
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(16, 64, generator=g), 3 * torch.randn(16, 64, generator=g)
+    observer = Observer.load_from_registry(name, base_name="weight", args=args)
+    observer(first)
+    copy = pickle.loads(pickle.dumps(observer))
+    assert type(copy) is type(observer)
+    assert getattr(qsl, type(observer).__name__) is type(observer)
+    for o in (observer, copy):
+        o(second)
+    want, got = observer.get_qparams(), copy.get_qparams()
+    assert want.keys() == got.keys() and want
+    for key, value in want.items():
+        assert (value is got[key] is None) or torch.equal(value, got[key]), key
