@@ -230,7 +230,7 @@ def _loss_of(model, batch, loss, k):
         raise ValueError(f"{_FISHER}: {default} needs 'labels' or 'input_ids' in the batch; "
                          f"batch {k} (counting from 0) has {sorted(map(str, batch.keys()))}"
                          f"{fix}")
-    out = model(**{**batch, "labels": _labels(batch)})
+    out = forward_batch(model, {**batch, "labels": _labels(batch)})  # (its caches copied)
     value = getattr(out, "loss", None)
     if value is None:
         raise ValueError(f"{_FISHER}: the model returns no loss on batch {k} (counting from "
