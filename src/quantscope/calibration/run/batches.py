@@ -52,17 +52,36 @@ def is_kv_cache(value) -> bool:
 
 
 def _fresh_caches(batch):
-    """``batch`` with each KV cache object among its arguments replaced by a copy: a forward
-    fills the cache it is given, and a batch is forwarded more than once (fusion detection,
-    the pass, auto's scoring): each forward starts from the cache as given (an empty one: as
-    with none, the sequential pass's result), and the user's stays as it was."""
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        items = [(k, batch[k]) for k in batch.keys()]  # noqa: SIM118 (what ** reads)
-        if any(is_kv_cache(v) for _, v in items):
-            return {k: _copy_cache(v) if is_kv_cache(v) else v for k, v in items}
-    elif isinstance(batch, (tuple, list)) and any(map(is_kv_cache, batch)):
-        return [_copy_cache(v) if is_kv_cache(v) else v for v in batch]
-    return batch
+    """``batch`` with each KV cache object in it (an argument, or inside one: a dict a
+    wrapper model takes positionally) replaced by a copy: a forward fills the cache it is
+    given, and a batch is forwarded more than once (fusion detection, the pass, auto's
+    scoring): each forward starts from the cache as given (an empty one: as with none, the
+    sequential pass's result), and the user's stays as it was. A batch holding none is
+    returned as it is."""
+    if isinstance(batch, dict) or hasattr(batch, "keys"):  # (what ** reads)
+        return _fresh_in(batch, batch.keys())
+    return _fresh_in(batch, None) if isinstance(batch, (tuple, list)) else batch
+
+
+def _fresh_in(value, keys):
+    """``value`` (a mapping with ``keys``, else a tuple or list) with its KV caches copied,
+    at any depth; ``value`` itself where it holds none."""
+    if keys is not None:
+        old = {k: value[k] for k in keys}
+        new = {k: _fresh(v) for k, v in old.items()}
+        return value if all(new[k] is v for k, v in old.items()) else new
+    new = [_fresh(v) for v in value]
+    if all(a is b for a, b in zip(new, value)):
+        return value
+    return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
+
+
+def _fresh(value):
+    if is_kv_cache(value):
+        return _copy_cache(value)
+    if isinstance(value, Mapping):
+        return _fresh_in(value, value.keys())
+    return _fresh_in(value, None) if isinstance(value, (tuple, list)) else value
 
 
 def _copy_cache(cache):
