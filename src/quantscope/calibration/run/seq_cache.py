@@ -141,8 +141,8 @@ def sigterm_unwinds():
         if first and not state.quiet:
             raise Terminated("SIGTERM: the sequential calibration was stopped")
 
-    signal.signal(signal.SIGTERM, handler)
-    try:
+    try:  # (set inside: a SIGTERM right after it finds the finally that takes it back)
+        signal.signal(signal.SIGTERM, handler)
         yield state
     finally:
         state.quiet = True
