@@ -38,6 +38,45 @@ def test_an_empty_cache_gives_the_pass_without_one_and_stays_empty():
         assert [c.get_seq_length() for c in caches] == [0] * len(batches)
 
 
+def test_fishers_default_loss_leaves_the_cache_empty():
+    # Auto(metric="fisher") without Auto.loss ran model(**batch, labels=...) itself, past
+    # forward_batch: the caches filled, and 22 qparams differed from the pass without one
+    from quantscope.calibration import Auto
+
+    model, batches = llama()
+    auto = Auto(metric="fisher", candidates=("minmax", "mse"))
+    plain = calibrate(model, [{"input_ids": b} for b in batches], "w8a8", observer="auto",
+                      auto=auto, progress=False)
+    caches = [transformers.DynamicCache() for _ in batches]
+    cached = [{"input_ids": b, "past_key_values": c} for b, c in zip(batches, caches)]
+    assert_same_qparams(plain, calibrate(model, cached, "w8a8", observer="auto", auto=auto,
+                                         progress=False))
+    assert [c.get_seq_length() for c in caches] == [0] * len(batches)
+
+
+def test_a_cache_inside_an_argument_is_copied_too():
+    # a wrapper whose forward takes the tokenizer's dict positionally: the cache inside that
+    # argument was not copied, and the user's filled
+    from quantscope.calibration.run.batches import forward_batch
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs):
+            return self.model(**inputs)
+
+    model, batches = llama()
+    cache = transformers.DynamicCache()
+    arg = {"input_ids": batches[0], "past_key_values": cache}
+    for batch in ((arg,), [arg], {"inputs": arg}):
+        forward_batch(Wrapper(model), batch)
+        assert cache.get_seq_length() == 0
+    plain = (batches[0],)
+    assert forward_batch(lambda *a: a, plain)[0] is batches[0]  # no cache: nothing copied
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "graph"])
 def test_a_prefix_cache_is_the_same_for_every_forward_and_kept(grad):
     # every forward of the batch (fusion detection, the pass) extended the user's cache: the
