@@ -57,6 +57,22 @@ def test_a_yaml_number_where_a_recipe_takes_text_says_to_quote_it(tmp_path, text
         assert rec.name == "2e5" or "1e3" in rec.rules[0].targets or "12" in rec.ignore
 
 
+@pytest.mark.parametrize("value, kind", [("on", "a boolean"), ("false", "a boolean"),
+                                         ("2024-05-01", "a date")])
+def test_a_yaml_boolean_or_date_where_a_recipe_takes_text_says_to_quote_it(tmp_path, value,
+                                                                          kind):
+    # these got the number's old "must be a string, got datetime.date(...)", no line or quoting
+    path = tmp_path / "r.yaml"
+    path.write_text(f"name: {value}\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n")
+    with pytest.raises(UsageError) as e:
+        read_recipe_file(str(path))
+    assert str(e.value) == (f"--recipe-file {str(path)!r}: name (line 1, column 7) is {value}, "
+                            f"which YAML reads as {kind}; the field takes text: quote it, "
+                            f'name: "{value}"')
+    path.write_text(f'name: "{value}"\nrules:\n  - targets: [Linear]\n    {_WEIGHT}\n')
+    assert read_recipe_file(str(path)).name == value
+
+
 def test_numbers_where_a_recipe_takes_numbers_stay_numbers(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("name: w8\nrules:\n  - targets: [Linear]\n    weight: {spec: {format: int8, "

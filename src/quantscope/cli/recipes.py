@@ -229,44 +229,48 @@ _TEXT_FIELDS = (
     ("fuse", "*"), ("fuse", "*", "*"), ("rules", "*", "targets"), ("rules", "*", "targets", "*"),
     *(("kv_cache", *f) for f in _ROLE_TEXT),
     *(("rules", "*", role, *f) for role in ("weight", "input", "output") for f in _ROLE_TEXT))
-_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+#: the YAML scalars that are no text, by what YAML reads them as (null aside: "no value")
+_NOT_TEXT = {f"tag:yaml.org,2002:{tag}": kind for tag, kind in (
+    ("int", "a number"), ("float", "a number"), ("bool", "a boolean"),
+    ("timestamp", "a date"))}
 
 
 def _load_yaml(text: str, path: str):
-    """``yaml.load`` with the recipe loader, refusing a number where the recipe takes text
-    (a UsageError naming the field and saying to quote it)."""
+    """``yaml.load`` with the recipe loader, refusing a number, a boolean or a date where the
+    recipe takes text (a UsageError naming the field and saying to quote it)."""
     loader = _yaml_loader()(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
         for fields in _TEXT_FIELDS:
-            for where, scalar in _numbers_at(node, fields, ""):
+            for where, scalar in _not_text_at(node, fields, ""):
                 at, key = scalar.start_mark, fields[-1] if fields[-1] != "*" else None
                 quoted = f'{key}: "{scalar.value}"' if key else f'"{scalar.value}"'
                 raise UsageError(
                     f"--recipe-file {path!r}: {where} (line {at.line + 1}, column "
-                    f"{at.column + 1}) is {scalar.value}, which YAML reads as a number; the "
-                    f"field takes text: quote it, {quoted}")
+                    f"{at.column + 1}) is {scalar.value}, which YAML reads as "
+                    f"{_NOT_TEXT[scalar.tag]}; the field takes text: quote it, {quoted}")
         return loader.construct_document(node)
     finally:
         loader.dispose()
 
 
-def _numbers_at(node, fields: tuple, where: str):
-    """``(field, node)`` of each YAML number at ``fields`` (see _TEXT_FIELDS) under ``node``."""
+def _not_text_at(node, fields: tuple, where: str):
+    """``(field, node)`` of each YAML scalar that is no text (:data:`_NOT_TEXT`) at
+    ``fields`` (see _TEXT_FIELDS) under ``node``."""
     import yaml
 
     if not fields:
-        if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS:
+        if isinstance(node, yaml.ScalarNode) and node.tag in _NOT_TEXT:
             yield where, node
     elif fields[0] == "*" and isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            yield from _numbers_at(item, fields[1:], f"{where}[{i}]")
+            yield from _not_text_at(item, fields[1:], f"{where}[{i}]")
     elif isinstance(node, yaml.MappingNode):
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode) and key.value == fields[0]:
-                yield from _numbers_at(value, fields[1:], f"{where}.{key.value}".lstrip("."))
+                yield from _not_text_at(value, fields[1:], f"{where}.{key.value}".lstrip("."))
 
 
 def _recipe_text(path: str):
