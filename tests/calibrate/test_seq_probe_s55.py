@@ -38,6 +38,33 @@ def test_an_empty_cache_gives_the_pass_without_one_and_stays_empty():
         assert [c.get_seq_length() for c in caches] == [0] * len(batches)
 
 
+def test_a_cache_given_positionally_is_copied_as_a_keyword_one():
+    # a tuple batch, model(*batch): LlamaForCausalLM's fourth argument is its cache
+    model, batches = llama()
+    plain = calibrate(model, [(b,) for b in batches], "w8a8", progress=False)
+    caches = [transformers.DynamicCache() for _ in batches]
+    cached = [(b, None, None, c) for b, c in zip(batches, caches)]
+    assert_same_qparams(plain, calibrate(model, cached, "w8a8", progress=False))
+    assert [c.get_seq_length() for c in caches] == [0] * len(batches)
+
+
+def test_a_static_cache_written_in_place_keeps_its_prefix():
+    # a StaticCache is written in place (index_copy_): a copy sharing its tensors' storage
+    # would write the calibration batch's keys into the user's prefix
+    model, _ = llama()
+    cfg = model.config
+    pre, new = torch.randint(0, 100, (1, 8)), torch.randint(0, 100, (1, 4))
+    cache = transformers.StaticCache(config=cfg, max_cache_len=16)
+    with torch.inference_mode():
+        model(pre, past_key_values=cache, use_cache=True)
+    keys = [layer.keys.clone() for layer in cache.layers]
+    calibrate(model, [{"input_ids": new, "past_key_values": cache,
+                       "attention_mask": torch.ones(1, 12, dtype=torch.long)}], "w8a8",
+              progress=False)
+    assert cache.get_seq_length() == 8
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, cache.layers))
+
+
 def test_fishers_default_loss_leaves_the_cache_empty():
     # Auto(metric="fisher") without Auto.loss ran model(**batch, labels=...) itself, past
     # forward_batch: the caches filled, and 22 qparams differed from the pass without one
@@ -244,6 +271,18 @@ def test_a_batch_of_empty_sequences_is_refused_naming_it_before_any_forward(
     # a list is checked before any forward; a stream's batch before its own (the stream's
     # first batch forwarded once by fusion detection and once by the pass, or traced)
     assert len(calls) <= (2 if stream else 0)
+
+
+def test_a_stream_read_in_two_goes_numbers_its_batches_on():
+    # auto's scoring reads a generator's head, then the pass the rest: the refusal names the
+    # empty batch's place in the stream, not its place in the second read
+    from quantscope.calibration.run.batches import length_checked
+
+    good, empty = torch.ones(2, 4, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)
+    stream = length_checked(b for b in [good, good, empty])
+    assert next(iter(stream)) is good
+    with pytest.raises(ValueError, match=r"^calibrate: batch 2's input has shape \(2, 0\)"):
+        list(stream)
 
 
 def test_a_batch_of_zero_rows_is_still_passed_over():
