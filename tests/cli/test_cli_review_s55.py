@@ -11,6 +11,7 @@ from quantscope.cli.checks import UsageError
 from quantscope.cli.recipes import read_recipe_file
 
 _WEIGHT = "weight: {spec: {format: int8}}"
+_RULES = f"rules:\n  - targets: [Linear]\n    {_WEIGHT}\n"
 FAST = ["--calib-docs", "2", "--max-length", "8", "--batch-size", "2", "--eval-max-length",
         "8", "--device", "cpu", "--threads", "1", "--no-progress"]
 
@@ -55,6 +56,27 @@ def test_a_yaml_number_where_a_recipe_takes_text_says_to_quote_it(tmp_path, text
         assert "1e3" in str(err) and "reads as a number" not in str(err)
     else:
         assert rec.name == "2e5" or "1e3" in rec.rules[0].targets or "12" in rec.ignore
+
+
+@pytest.mark.parametrize("text, field", [
+    (f"fuse: [[q_proj, 1e3]]\n{_RULES}",
+     "fuse[0][1] (line 1, column 17)"),
+    (f"split: [1e3]\n{_RULES}", "split[0] (line 1, column 9)"),
+    (f"kv_cache: {{spec: {{format: fp8_e4m3}}, observer: 1e3}}\n{_RULES}",
+     "kv_cache.observer (line 1, column 48)"),
+    (f"{_RULES}    input: {{spec: {{format: 8}}}}\n",
+     "rules[0].input.spec.format (line 4, column 28)"),
+    (f"{_RULES}    output: {{spec: {{layout: 12}}}}\n",
+     "rules[0].output.spec.layout (line 4, column 29)"),
+])
+def test_every_text_field_refuses_a_yaml_number(tmp_path, text, field):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError) as e:
+        read_recipe_file(str(path))
+    said = str(e.value)
+    assert f": {field} is " in said and "which YAML reads as a number; the field takes text: " \
+        "quote it" in said, said
 
 
 @pytest.mark.parametrize("value, kind", [("on", "a boolean"), ("false", "a boolean"),
