@@ -1,7 +1,7 @@
 """The llm-compressor plugin's observer classes (``quantscope_<name>``, made one per native
-name when the module is imported) pickle, as llm-compressor's own module-level classes do:
-``torch.save`` of a module holding one, or a process pool, found no class by its name.
-Runs in the peers' venv."""
+name when the module is imported) pickle, as llm-compressor's own module-level classes do
+(``torch.save`` of a module holding one, or a process pool, found no class by its name), and
+say in their repr which quantscope observer they run. Runs in the peers' venv."""
 
 from __future__ import annotations
 
@@ -37,3 +37,12 @@ def test_a_pickled_observer_goes_on_as_the_original(name):
     assert want.keys() == got.keys() and want
     for key, value in want.items():
         assert (value is got[key] is None) or torch.equal(value, got[key]), key
+
+
+@pytest.mark.parametrize("name", qsl.observer_names())
+def test_the_repr_names_the_role_and_the_quantscope_observer(name):
+    # a model printout or llm-compressor's log says which quantscope observer runs there
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32)
+    observer = Observer.load_from_registry(name, base_name="weight", args=args)
+    native = name.removeprefix("quantscope_")
+    assert f"base_name='weight', quantscope='{native}'" in repr(observer), repr(observer)
