@@ -32,7 +32,7 @@ def _refusal(folder, field, value):
         Calibration.from_compressed_tensors(folder)
     msg = str(e.value)
     assert msg.startswith(f"from_compressed_tensors: {folder / 'config.json'}: quantization_"
-                          f"config.kv_cache_scheme.{field} is {value!r}: "), msg
+                          f"config.kv_cache_scheme.{field} is {json.dumps(value)}: "), msg
     return msg
 
 

@@ -9,6 +9,7 @@ carried into ``apply()``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -159,8 +160,8 @@ def kv_scheme_problem(args) -> str | None:
     for field, (want, why) in KV_SCHEME.items():
         got = getattr(args, field)
         got = getattr(got, "value", got)  # (an enum: its name in the config)
-        if got != want:
-            return f"{field} is {got!r}: {why}"
+        if got != want:  # (as the config's JSON writes it: true, "tensor")
+            return f"{field} is {json.dumps(got, default=str)}: {why}"
     return None
 
 
