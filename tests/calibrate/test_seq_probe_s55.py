@@ -285,6 +285,15 @@ def test_a_stream_read_in_two_goes_numbers_its_batches_on():
         list(stream)
 
 
+def test_a_checked_stream_is_true_as_its_source_is():
+    # bool() fell back to __len__, which a generator lacks: a TypeError
+    from quantscope.calibration.run.batches import length_checked
+
+    assert bool(length_checked(b for b in []))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(0, 4)))
+    assert not length_checked(loader) and len(length_checked(loader)) == 0
+
+
 def test_a_batch_of_zero_rows_is_still_passed_over():
     # 0 rows (every module passes them through) are not empty sequences: no new refusal
     lin = torch.nn.Sequential(torch.nn.Linear(8, 8))

@@ -154,6 +154,9 @@ class _LengthChecked:
     def __len__(self) -> int:
         return len(self.source)  # TypeError where it has none, as the source's
 
+    def __bool__(self) -> bool:
+        return bool(self.source)  # (not len's: a generator is true, as the source is)
+
 
 def check_length(batch, i: int, who: str = "calibrate") -> None:
     """Raise where batch ``i``'s input (its first tensor: ``input_ids``, ``inputs_embeds``, the
