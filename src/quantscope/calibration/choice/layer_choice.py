@@ -32,7 +32,7 @@ from ...estimators.weighted import imatrix_qparams
 from ...layout import Tile
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
-from ..run.batches import eval_mode, forward_batch, map_tensors, tensors_in
+from ..run.batches import eval_mode, forward_batch, keyword_batch, map_tensors, tensors_in
 from ..run.gather import gather_parts
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 from .loss_checks import batch_error, batch_name, finite, loss_error, none_left_error, scalar
@@ -223,7 +223,7 @@ def _loss_of(model, batch, loss, k):
     default = ("the default loss (no Auto.loss: the model's own, labelled by the batch's "
                "'labels', else its 'input_ids')")
     fix = "; pass Auto.loss=callable(output, batch) returning a scalar tensor"
-    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
+    if not keyword_batch(batch):
         raise ValueError(f"{_FISHER}: {default} needs dict batches, got a "
                          f"{type(batch).__name__} as batch {k} (counting from 0){fix}")
     if "labels" not in batch and "input_ids" not in batch:

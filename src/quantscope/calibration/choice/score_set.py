@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ..run.batches import sized_like, tensors_in
+from ..run.batches import keyword_batch, sized_like, tensors_in
 
 __all__ = ["FIRST_PIECE", "mask_of", "no_batches_error", "no_token_error", "piece_names",
            "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "scoring_prefix",
@@ -26,7 +26,7 @@ FIRST_PIECE = 0.25
 
 def mask_of(batch):
     """A dict batch's ``attention_mask``, None for another batch or none."""
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
+    if keyword_batch(batch):
         return batch.get("attention_mask")
     return None
 
@@ -36,7 +36,7 @@ def _counted(b):
     else its ``input_ids`` (else its first tensor); a tuple's first item; a tensor itself."""
     if (mask := mask_of(b)) is not None:
         return mask, True
-    if isinstance(b, dict) or hasattr(b, "keys"):  # (without a mask, every id is real)
+    if keyword_batch(b):  # (without a mask, every id is real)
         t = b.get("input_ids")
         return (t if isinstance(t, torch.Tensor) else next(tensors_in(b), None)), False
     return (b[0] if isinstance(b, (tuple, list)) and b else b), False
@@ -44,7 +44,7 @@ def _counted(b):
 
 def rows_of(batch) -> int | None:
     """A dict batch's rows (documents, which a scoring piece cuts), None for other batches."""
-    t, mask = _counted(batch) if isinstance(batch, dict) or hasattr(batch, "keys") else (None, 0)
+    t, mask = _counted(batch) if keyword_batch(batch) else (None, 0)
     ok = isinstance(t, torch.Tensor) and (t.dim() == 2 if mask else t.dim() > 1)
     return t.shape[0] if ok else None
 

@@ -15,9 +15,9 @@ import torch
 from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
-__all__ = ["check_batches", "eval_mode", "forward_batch", "input_name", "is_kv_cache",
-           "length_checked", "map_tensors", "module_input", "nan_parameter", "peek",
-           "sized_like", "tensors_in"]
+__all__ = ["batch_arguments", "check_batches", "eval_mode", "forward_batch", "input_name",
+           "is_kv_cache", "keyword_batch", "length_checked", "map_tensors", "module_input",
+           "nan_parameter", "peek", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -37,11 +37,27 @@ def forward_batch(model, batch):
     """``model(**batch)`` for a dict (a tokenizer's output), ``model(*batch)`` for a tuple or
     list, ``model(batch)`` otherwise; each KV cache object in it a copy (:func:`_fresh_caches`)."""
     batch = _fresh_caches(batch)
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
+    if keyword_batch(batch):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def keyword_batch(batch) -> bool:
+    """Whether :func:`forward_batch` passes ``batch`` as keyword arguments: a dict, or
+    anything with ``keys()`` (a tokenizer's ``BatchEncoding``), as ``**`` reads it."""
+    return isinstance(batch, dict) or hasattr(batch, "keys")
+
+
+def batch_arguments(batch) -> list[tuple[str, object]]:
+    """``(name, value)`` of each argument :func:`forward_batch` passes: a keyword batch's
+    keys, a tuple's or list's ``argument i``, a lone input's ``input``."""
+    if keyword_batch(batch):
+        return [(k, batch[k]) for k in batch.keys()]  # noqa: SIM118 (what ** reads)
+    if isinstance(batch, (tuple, list)):
+        return [(f"argument {i}", v) for i, v in enumerate(batch)]
+    return [("input", batch)]
 
 
 def is_kv_cache(value) -> bool:
@@ -58,7 +74,7 @@ def _fresh_caches(batch):
     scoring): each forward starts from the cache as given (an empty one: as with none, the
     sequential pass's result), and the user's stays as it was. A batch holding none is
     returned as it is."""
-    if isinstance(batch, dict) or hasattr(batch, "keys"):  # (what ** reads)
+    if keyword_batch(batch):
         return _fresh_in(batch, batch.keys())
     return _fresh_in(batch, None) if isinstance(batch, (tuple, list)) else batch
 
@@ -164,13 +180,7 @@ def check_length(batch, i: int, who: str = "calibrate") -> None:
     model fails on it somewhere inside its forward (an attention's reshape), the sequential
     pass elsewhere. A batch of 0 rows is passed over (every module passes it through), as
     before. Shapes only: no tensor is read."""
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        items = ((k, batch[k]) for k in batch.keys())  # noqa: SIM118 (what ** reads)
-    elif isinstance(batch, (tuple, list)):
-        items = ((f"argument {k}", v) for k, v in enumerate(batch))
-    else:
-        items = (("input", batch),)
-    for name, value in items:
+    for name, value in batch_arguments(batch):
         t = next(tensors_in(value), None)
         if t is None:
             continue

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .batches import forward_batch, is_kv_cache, map_tensors, tensors_in
+from .batches import batch_arguments, forward_batch, is_kv_cache, map_tensors, tensors_in
 
 __all__ = ["NotAChain", "Trace", "chain_order", "check_disjoint", "fill", "find_blocks",
            "free_zeros", "recorders", "refuse", "split_contexts", "trace_batches"]
@@ -147,13 +147,7 @@ def _prefix_cache(batch) -> tuple[str, int] | None:
     """``(argument, tokens)`` of a batch's KV cache that already holds tokens (a prefix the
     blocks attend to, with a mask that covers it), if any: no replay without the cache
     (:func:`_replayable`) can equal the whole pass on it. An empty cache changes nothing."""
-    if isinstance(batch, dict) or hasattr(batch, "keys"):
-        items = batch.items()
-    elif isinstance(batch, (tuple, list)):
-        items = ((f"argument {i}", v) for i, v in enumerate(batch))
-    else:
-        items = ()
-    for name, value in items:
+    for name, value in batch_arguments(batch):
         if is_kv_cache(value) and value.get_seq_length() > 0:
             return name, value.get_seq_length()
     return None
