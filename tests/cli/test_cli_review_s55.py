@@ -3,6 +3,9 @@ naming the field and saying to quote it; the KV-cache refusal says what a preset
 file's user can do; ``main`` returns the code of a SystemExit raised inside a command, and the
 documented codes 1 (stdout's reader gone) and 130 (interrupted)."""
 
+import os
+import sys
+
 import pytest
 from cli_helpers import run_cli
 
@@ -155,6 +158,18 @@ def test_main_returns_the_documented_codes_and_never_raises_systemexit(monkeypat
     _command_raising(monkeypatch, error)
     assert cli.main(["formats"]) == code
     assert capsys.readouterr().err == said
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files by /proc")
+def test_a_broken_pipe_points_stdout_at_devnull_and_leaves_no_file_open(monkeypatch, tmp_path):
+    # the devnull descriptor dup2 copied stayed open: one more per call of main()
+    _command_raising(monkeypatch, BrokenPipeError())
+    with open(tmp_path / "out", "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        before = sorted(os.listdir("/proc/self/fd"))
+        assert cli.main(["formats"]) == 1
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        assert os.path.samestat(os.fstat(out.fileno()), os.stat(os.devnull))
 
 
 def test_an_argparse_error_keeps_the_spaces_of_a_value(capsys):

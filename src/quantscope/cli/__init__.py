@@ -251,8 +251,11 @@ def _run(args) -> int:
         return COMMANDS[args.command][1](args)
     except BrokenPipeError:  # `quantscope formats | head`: the reader left; say nothing
         with contextlib.suppress(OSError, ValueError):  # (a stdout with no file: left as is)
-            out = sys.stdout.fileno()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out)
+            out, null = sys.stdout.fileno(), os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, out)
+            finally:
+                os.close(null)
         return 1
     except KeyboardInterrupt:
         print(f"quantscope {args.command}: interrupted", file=sys.stderr)
