@@ -5,6 +5,7 @@ cleanup has marked itself quiet, is not raised (the cleanup runs whole) and is t
 delivered at the end; a handler the program set meanwhile is kept."""
 
 import os
+import shutil
 import signal
 import time
 
@@ -78,3 +79,27 @@ def test_no_sigterm_delivers_nothing_and_a_handler_set_inside_is_kept(delivered)
         signal.signal(signal.SIGTERM, own)  # (set while the run holds its own)
     assert signal.getsignal(signal.SIGTERM) is own
     assert delivered == []
+
+
+def test_a_sigterm_as_a_finished_sequential_run_cleans_up_waits_for_the_cleanup(
+        delivered, tmp_path, monkeypatch):
+    # it raised Terminated inside the cleanup, which then stopped before removing the spill
+    # folder (the run had ended: its handler was still set)
+    pytest.importorskip("transformers")
+    from tiny_models import llama
+
+    from quantscope.calibration import Sequential, calibrate
+
+    real = shutil.rmtree
+
+    def rmtree(path, **kwargs):  # the cleanup's last step
+        _sigterm()
+        real(path, **kwargs)
+
+    model, batches = llama()
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "rmtree", rmtree)
+        calibrate(model, batches, "w8a8", progress=False,
+                  sequential=Sequential(cache_budget_mb=0, cache_dir=tmp_path))
+    assert delivered == [signal.SIGTERM]
+    assert not list(tmp_path.iterdir())
