@@ -93,3 +93,14 @@ def test_the_site_builds_and_renders_every_public_name(tmp_path):
             missing.append(f"quantscope.{m}.{name}")
     assert not missing, f"public names not in the API reference: {missing}"
     assert (site / "architecture" / "index.html").exists()
+
+
+def test_the_export_reference_renders_each_formats_exporter():
+    # quantscope.export(..., **options) passes its options to the format's exporter: the
+    # reference showed export's **options and none of them
+    from quantscope.exporters import FORMATS, exporter
+
+    page = (ROOT / "docs" / "reference" / "export.md").read_text()
+    for name in FORMATS:
+        fn = inspect.unwrap(exporter(name))
+        assert f"::: {fn.__module__}.{fn.__qualname__}\n" in page, name

@@ -25,7 +25,12 @@ def check(path) -> list[dict]:
 
 
 def export(calibration, model, path, format: str = "compressed-tensors", **options):
-    """Write ``calibration`` applied to ``model`` to ``path`` in ``format``; returns the path."""
+    """Write ``calibration`` applied to ``model`` to ``path`` in ``format`` (a name in
+    :data:`FORMATS`); returns the path. ``options`` are that format's exporter's keyword
+    arguments: :func:`~quantscope.exporters.compressed_tensors.export_compressed_tensors`'s
+    for ``"compressed-tensors"`` (``overwrite``, ``allow_lossy``, ``max_shard_size`` ...),
+    :func:`~quantscope.exporters.onnx.export_onnx`'s for ``"onnx"`` (``example_inputs``,
+    ``uint8``, ``external_data`` ...)."""
     return exporter(format)(calibration, model, path, **options)
 
 
