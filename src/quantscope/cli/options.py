@@ -162,6 +162,6 @@ def add_recipes_args(p: argparse.ArgumentParser) -> None:
                         f"it spells them (W8A8, W4A16, FP8 ...): w8a8 is the preset (static "
                         f"inputs), W8A8 the scheme (dynamic inputs); default: w8a8,w4a8")
     g.add_argument("--observers", default=DEFAULT_OBSERVERS,
-                   help=f"comma-separated observer names; 'auto' chooses per layer among "
-                        f"the others (default: {DEFAULT_OBSERVERS})")
+                   help=f"comma-separated observer names; 'auto' chooses among the others "
+                        f"as --auto-metric says (default: {DEFAULT_OBSERVERS})")
     add_activation_args(g)
