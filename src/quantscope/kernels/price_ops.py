@@ -27,8 +27,11 @@ implementation, a CUDA one, a fake one; bad input raises ``ValueError`` naming t
   Norms 1, 2 and 3 are exact arithmetic on every device; the others are the device's
   functions (0.5 a square root): torch's on the CPU (its AVX-512 float32 ``sqrt`` and ``pow``
   are not always correctly rounded), CUDA's ``sqrtf`` / ``powf`` in the Triton kernel (what
-  torch's CUDA ``pow`` calls), an ulp or so apart, so prices agree across devices to about
-  1e-7 for those norms.
+  torch's CUDA ``pow`` calls), an ulp or so apart where both raise to the float32 exponent,
+  so prices agree across devices to about 1e-7 for those norms; but torch's CPU ``pow``
+  takes the float64 exponent in its scalar tail (the elements past its vector loop: all of a
+  tensor shorter than the vector width), about 9.5e-8 x ``|ln |d||`` off a term there (2e-6
+  at ``|d| = 1e8``), as in llm-compressor's own torch search, whose compat class keeps it.
 
 CPU: the C kernel (``csrc/mse_search.c``: ``qs_mse_price_w`` / ``qs_mse_price_fp_w``,
 ``weights`` or a null pointer, the sums ``estimators.mse_kernel.price`` gets) where it is

@@ -128,8 +128,9 @@ def fake_quant_fp(x, s, fmax, min_exp, mbits):
 
 if interpreted():  # the interpreter runs no libdevice
     @triton.jit
-    def _powf(a, n):
-        return tl.exp2(tl.log2(a.to(tl.float64)) * n).to(tl.float32)
+    def _powf(a, n):  # n as the compiled call takes it: a float32 (2.4 is 2.4000000954)
+        e = tl.full((), n, tl.float32).to(tl.float64)
+        return tl.exp2(tl.log2(a.to(tl.float64)) * e).to(tl.float32)
 else:
     from triton.language.extra.cuda import libdevice
 
@@ -144,9 +145,10 @@ def norm_term(d, NORM: tl.constexpr):
     exponents torch special-cases (1: ``|d|``; 2: ``d * d``; 3: ``|d| * |d| * |d|``; 0.5:
     the IEEE square root), any other by libdevice's ``__nv_powf``, which came within an ulp
     a term of torch's CUDA ``pow``, not equal to it, on the lent H200 (Triton 3.6, torch
-    2.11). Under the interpreter, which has no libdevice, that ``powf`` is float64
-    ``exp2(log2)`` rounded to float32 (within an ulp of it; tests hold the norms other than
-    0.5, 1, 2, 3 to a tolerance)."""
+    2.11). Its exponent is a float32 (2.4 is 2.4000000954), as in torch's float32 ``pow``.
+    Under the interpreter, which has no libdevice, that ``powf`` is float64 ``exp2(log2)``
+    with the exponent rounded to float32, rounded to float32 (within an ulp of the correctly
+    rounded power; tests hold the norms other than 0.5, 1, 2, 3 to a tolerance)."""
     if NORM == 2.0:
         t = d * d
     elif NORM == 1.0:
