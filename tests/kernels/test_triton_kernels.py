@@ -688,6 +688,24 @@ def test_mse_select_matches_the_search_state(device, per_unit, use_global, patie
     assert torch.equal(idx.cpu(), want_idx) and torch.equal(best.cpu(), want_best)
 
 
+@pytest.mark.parametrize("per_unit", [True, False])
+def test_mse_select_passes_over_nan_errors_as_the_search_state(device, per_unit):
+    # the global rule's running best followed torch's cummin: after a unit's NaN error none
+    # of its later improvements counted, where the search's state (no NaN best) counts them
+    from quantscope.kernels import ops, select_ops
+    from quantscope.kernels.triton import mse
+
+    err, same, sc, inc, state_cls = _select_case(20, 37, 23, False)
+    err[torch.rand(err.shape, generator=torch.Generator().manual_seed(1)) < 0.15] = math.nan
+    want = _reference_select(err, same, sc, inc, state_cls, 20, 2, per_unit, True, "first")
+    cpu = ops.mse_select(err, same, inc, 20, 2, per_unit, True, False)
+    assert torch.equal(cpu[0], want[0]) and torch.equal(cpu[1], want[1])
+    gstop = select_ops._global_stop(err, inc, 20, 2, False).to(device)
+    idx, best = mse.mse_select(err.to(device), same.to(device), inc.to(device), gstop, 20, 2,
+                               per_unit, True, False, block_u=16)
+    assert torch.equal(idx.cpu(), want[0]) and torch.equal(best.cpu(), want[1])
+
+
 # ---- histogram binning ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("counted", [True, False], ids=["histc", "private"])

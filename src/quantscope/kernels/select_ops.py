@@ -55,8 +55,11 @@ def check_ext_start(who: str, ext_start: int, candidates: int) -> None:
 def improved_rows(err: Tensor, best: Tensor, tie_last: bool = False) -> Tensor:
     """Which rows (candidates) of ``err [K, U]`` improve some unit on its running best,
     starting from ``best [U]`` (strictly, or ``<=`` with ``tie_last``): what the global
-    rules (stop after ``patience`` rows improving no unit) count."""
-    before = torch.cat((best[None], err[:-1])).cummin(0).values  # each unit's best before
+    rules (stop after ``patience`` rows improving no unit) count. A NaN error never becomes
+    the running best, as :func:`beats` never takes it (the search's state, llm-compressor's
+    ``err < best``): the units' later improvements still count."""
+    passed = torch.where(err[:-1].isnan(), float("inf"), err[:-1])  # (a NaN best stays one)
+    before = torch.cat((best[None], passed)).cummin(0).values  # each unit's best before
     return beats(err, before, tie_last).any(1)
 
 

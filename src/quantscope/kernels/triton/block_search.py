@@ -315,7 +315,7 @@ def _price_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, f_ptr, ilo_ptr, ihi_ptr, amax_pt
                 improved = (e <= best) & (e < float("inf"))  # as select_step
             else:
                 improved = e < best
-            best = tl.minimum(best, e, propagate_nan=tl.PropagateNan.ALL)  # torch's cummin
+            best = tl.where(e < best, e, best)  # a NaN error never the best: improved_rows
             improved = (improved & rmask).to(tl.int32)
             tl.store(flags_ptr + tl.program_id(0) * G + k, tl.max(improved).to(tl.int8))
 
