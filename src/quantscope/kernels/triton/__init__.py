@@ -16,7 +16,10 @@ The bitwise contract of the C kernels holds here too: every float32 division is
 ``tl.math.div_rn`` (Triton's ``/`` is an approximate division on NVIDIA GPUs), rounding to
 an integer is ``_jit.rint`` (half to even, as ``torch.round``), and every launch passes
 ``enable_fp_fusion=False`` (no ``a * b + c`` contracted into one FMA, which torch's
-separate ops never do).
+separate ops never do). Two things carry no value and may differ, as with the C kernels:
+the sign of a zero min or max where -0.0 and +0.0 tie (``unit_minmax`` reduces in its own
+order), and a NaN's sign and payload (a kernel stores the canonical NaN where torch's
+``.float()`` of a bfloat16 / float16 NaN keeps its bits).
 """
 
 from __future__ import annotations
