@@ -49,12 +49,12 @@ def _docs(masked=False):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _auto(model, mine, recipe="w8a8", observer="auto"):
+def _auto(model, mine, recipe="w8a8", observer="auto", loss=None):
     """``mine``'s distributed auto calibration: ``(what info['auto'] says, the scales)``, or
     the error text; then a tiny all_sum both ranks must reach together."""
     def run():
         c = quantscope.calibrate(model, mine, recipe, observer=observer, progress=False,
-                                 runtime=DIST, auto=Auto(candidates=NAMES))
+                                 runtime=DIST, auto=Auto(candidates=NAMES, loss=loss))
         info = {k: c.info["auto"].get(k) for k in ("chose", "roles", "scores", "score_pieces",
                                                    "score_tokens", "non_finite_pieces")}
         return info, {(n, r): s.qparams.scale for n, rs in c.states.items()
@@ -84,6 +84,14 @@ def _nan_on_one_rank(r, out):
     # its 2nd), so its float forward first runs in the scoring, and fails there alone
     narrow = _x(3)[:, :8]
     out["forward fails"] = _auto(_mlp(), [_x(0), _x(1)] if r == 0 else [_x(2), _x(4), narrow])
+    # s56: the loss fails on rank 1's pieces only: its score raised before the exchange
+    # (an UnboundLocalError hid its error) and rank 0 was left in the all_gather
+
+    def loss(out, ref, batch):
+        if batch.shape[0] == 3:
+            raise RuntimeError("the loss refuses a 3-row batch")
+        return float((out - ref).pow(2).mean())
+    out["loss fails"] = _auto(_mlp(), [_x(0), _x(1)] if r == 0 else [_x(2)[:3]], loss=loss)
 
 
 def _llama_scenarios(r, out):
@@ -134,6 +142,12 @@ def test_a_rank_whose_only_batch_brings_nan_scores_with_no_piece(ranks):
 def test_an_error_in_one_ranks_scoring_raises_on_every_rank(ranks):
     errs = _agreed(ranks, "forward fails")
     assert errs[1] == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x8 and 16x16)"
+    assert errs[0].startswith(errs[1]) and "failed on rank(s) [1]" in errs[0], errs
+
+
+def test_an_error_of_the_loss_on_one_rank_raises_on_every_rank(ranks):
+    errs = _agreed(ranks, "loss fails")
+    assert errs[1] == "RuntimeError: the loss refuses a 3-row batch", errs
     assert errs[0].startswith(errs[1]) and "failed on rank(s) [1]" in errs[0], errs
 
 

@@ -310,7 +310,7 @@ class RankPieces:
     def piece(self, score) -> float:
         """This rank's ``score()`` (None: no piece here) with every other rank's, in one
         all_gather; an error of one rank's score raises on every rank."""
-        local = LocalError()
+        local, value = LocalError(), 0.0  # (an error leaves it: the exchange still runs)
         with local:
             value = 0.0 if score is None else float(score())
         t = torch.tensor([value, float(local.error is not None)], dtype=torch.float64,
