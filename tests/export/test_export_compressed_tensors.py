@@ -9,6 +9,7 @@ bench/export_ct.py (docs/guide/deploy.md).
 import json
 import os
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -545,3 +546,29 @@ def test_fp8_tiles_with_a_partial_last_tile_load_in_transformers(llama, tmp_path
     with torch.inference_mode():
         got = _out(_loaded(out, transformers.AutoModelForCausalLM), batches[0])
     _compare(got, _applied(cal, model, batches[0]), True)
+
+
+@pytest.mark.parametrize(("options", "error", "said"), [
+    ({"max_shard_size": "lots"}, ValueError, "max_shard_size must be a size in bytes > 0"),
+    ({"max_shard_size": -5}, ValueError, "got -5"),  # (one shard per tensor, written)
+    ({"max_shard_size": "0GB"}, ValueError, "got '0GB'"),
+    ({"max_shard_size": True}, ValueError, "got True"),
+    ({"model_path": 5}, TypeError, "model_path must be the source model's folder"),
+])
+def test_shard_size_and_model_path_are_checked_with_the_other_arguments(bert, tmp_path,
+                                                                        options, error, said):
+    # the registry runs these checks on every rank; these two were the writer's alone (rank
+    # 0 raised transformers' "Unit 'TS' not supported", the others returned the path)
+    from quantscope.exporters.compressed_tensors import _check_call
+
+    model, _, batches = bert
+    cal = calibrate(model, batches, preset("w8a8"), progress=False)
+    args = {"overwrite": False, "allow_lossy": False, "model_path": None,
+            "max_shard_size": "5GB", **options}
+    with pytest.raises(error, match=f"^export compressed-tensors: .*{re.escape(said)}"):
+        _check_call(cal, model, **args)
+    with pytest.raises(error):
+        quantscope.export(cal, model, tmp_path / "ct", **options)
+    assert not list(tmp_path.iterdir())
+    for size in (100, "5GB", " 0.5 gb ", "1TB"):
+        _check_call(cal, model, **{**args, "model_path": None, "max_shard_size": size})

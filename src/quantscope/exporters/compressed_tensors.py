@@ -42,12 +42,12 @@ from ..layout import Block, Channel, Group, Tensor, Tile, Token
 from ..scales import not_encoded, nvfp4_global_scale
 from .atomic import atomic_dir, check_writable_target
 from .consistency import warn_fused_problems
-from .ct_compress import annotate, compress, ct_compressor, save_here
+from .ct_compress import annotate, check_shard_size, compress, ct_compressor, save_here
 from .experts import unfuse_experts
 from .read_checks import kv_scheme_problem
 from .registry import register
 from .serving import embedding_layers, warn_unservable
-from .source_folder import copy_extras, loaded_from, source_dir
+from .source_folder import check_model_path, copy_extras, loaded_from, source_dir
 
 __all__ = ["check_static_weights", "export_compressed_tensors", "quant_args"]
 
@@ -359,10 +359,13 @@ def _groups(states, lossy):
     return list(groups.values())
 
 
-def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, **_) -> None:
+def _check_call(calibration, model: nn.Module, overwrite, allow_lossy, model_path,
+                max_shard_size, **_) -> None:
     """The arguments' checks that need neither the disk nor a collective (every rank)."""
     for name, flag in (("overwrite", overwrite), ("allow_lossy", allow_lossy)):  # "no": True
         check_bool("export compressed-tensors", name, flag)
+    check_model_path(model_path, "export compressed-tensors")
+    check_shard_size(max_shard_size, "export compressed-tensors")
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"export compressed-tensors: model must be a transformers "
                         f"PreTrainedModel (it writes a Hugging Face folder), got "

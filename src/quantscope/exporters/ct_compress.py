@@ -15,7 +15,7 @@ from torch import nn
 from .ct_match import Targets
 from .experts import checkpoint_names
 
-__all__ = ["annotate", "compress", "ct_compressor", "save_here"]
+__all__ = ["annotate", "check_shard_size", "compress", "ct_compressor", "save_here"]
 
 _HALVES = (torch.bfloat16, torch.float16)
 
@@ -63,6 +63,27 @@ def compress(compressor, work: nn.Module) -> None:
     quantscope's QDQ computes it."""
     with _this_process_only(), _float32_qparams(work):
         compressor.compress_model(work)
+
+
+#: the units a ``max_shard_size`` text takes (huggingface_hub's, which save_pretrained uses)
+_SIZE_UNITS = ("TB", "GB", "MB", "KB")
+
+
+def check_shard_size(value, who: str) -> None:
+    """Refuse a ``max_shard_size`` save_pretrained would refuse (in the writer only, naming
+    no argument) or take wrongly (a size <= 0: a shard per tensor): bytes, an int > 0, or a
+    number > 0 and a unit (``"5GB"``, ``"500MB"``)."""
+    if isinstance(value, str) and value.strip()[-2:].upper() in _SIZE_UNITS:
+        try:
+            number = float(value.strip()[:-2])
+        except ValueError:
+            number = None
+        if number is not None and 0 < number < float("inf"):
+            return
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return
+    raise ValueError(f"{who}: max_shard_size must be a size in bytes > 0, or a number > 0 and "
+                     f"a unit ({', '.join(_SIZE_UNITS)}: '5GB'), got {value!r}")
 
 
 def save_here(work: nn.Module, folder: str, **options) -> None:

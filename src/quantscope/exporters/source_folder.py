@@ -14,7 +14,15 @@ import shutil
 
 from .atomic import EXPORT_EXTRAS
 
-__all__ = ["copy_extras", "loaded_from", "own_file", "source_dir"]
+__all__ = ["check_model_path", "copy_extras", "loaded_from", "own_file", "source_dir"]
+
+
+def check_model_path(model_path, who: str) -> None:
+    """Refuse a ``model_path`` that is no path (an int would be read as a file descriptor)."""
+    if model_path is not None and not isinstance(model_path, (str, os.PathLike)):
+        raise TypeError(f"{who}: model_path must be the source model's folder (a str or "
+                        f"os.PathLike) or None, got {type(model_path).__name__} "
+                        f"{model_path!r}")
 
 
 def source_dir(calibration, model, model_path):
