@@ -53,8 +53,9 @@ def _auto(model, mine, recipe="w8a8", observer="auto", loss=None):
     """``mine``'s distributed auto calibration: ``(what info['auto'] says, the scales)``, or
     the error text; then a tiny all_sum both ranks must reach together."""
     def run():
+        auto = Auto(candidates=NAMES, loss=loss) if observer in ("auto", None) else None
         c = quantscope.calibrate(model, mine, recipe, observer=observer, progress=False,
-                                 runtime=DIST, auto=Auto(candidates=NAMES, loss=loss))
+                                 runtime=DIST, auto=auto)
         info = {k: c.info["auto"].get(k) for k in ("chose", "roles", "scores", "score_pieces",
                                                    "score_tokens", "non_finite_pieces")}
         return info, {(n, r): s.qparams.scale for n, rs in c.states.items()
@@ -92,6 +93,10 @@ def _nan_on_one_rank(r, out):
             raise RuntimeError("the loss refuses a 3-row batch")
         return float((out - ref).pow(2).mean())
     out["loss fails"] = _auto(_mlp(), [_x(0), _x(1)] if r == 0 else [_x(2)[:3]], loss=loss)
+    # s56: planning (fusion detection forwards each rank's first batch) failed on rank 1
+    # alone: rank 0 raised a bare "planning failed on rank(s) [1]; see their error"
+    out["planning fails"] = _auto(_mlp(), [_x(0) if r == 0 else _x(0)[:, :8]],
+                                  observer="static_minmax")
 
 
 def _llama_scenarios(r, out):
@@ -149,6 +154,12 @@ def test_an_error_of_the_loss_on_one_rank_raises_on_every_rank(ranks):
     errs = _agreed(ranks, "loss fails")
     assert errs[1] == "RuntimeError: the loss refuses a 3-row batch", errs
     assert errs[0].startswith(errs[1]) and "failed on rank(s) [1]" in errs[0], errs
+
+
+def test_a_planning_error_on_one_rank_is_its_error_on_every_rank(ranks):
+    errs = _agreed(ranks, "planning fails")
+    assert errs[1].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), errs
+    assert errs[0] == errs[1] + " (planning failed on rank(s) [1])", errs
 
 
 def test_a_rank_with_no_real_token_or_no_batch_scores_with_no_piece(ranks):

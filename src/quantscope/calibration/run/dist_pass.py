@@ -38,7 +38,7 @@ def _plan(model, batches, recipes, opts, group):
                  for layer, (_, roles) in r.match(model).items() if "weight" in roles}
     owners = gather.weight_owners(model, quantized, group)
     me = qd.rank(group)
-    with qd.all_or_none("planning", group):
+    with qd.all_or_none("planning", group, same_type=True):
         slots, plans = make_plan(model, recipes, opts.auto.candidates,
                                  owns=lambda l: owners.get(l, me) == me)
         batches, found = fusion.detect(model, batches, recipes, slots)
@@ -77,7 +77,7 @@ def _observe_imatrix(slots, importance, group) -> None:
     """The ``imatrix_mse`` weights, on their owners, with every rank's input importance
     (:mod:`.imatrix_roles`), then their states shared."""
     means = importance.means(distributed=True, group=group)  # a collective, outside the guard
-    with qd.all_or_none("imatrix_mse weights", group):
+    with qd.all_or_none("imatrix_mse weights", group, same_type=True):
         imatrix_roles.observe_waiting(slots, means)
     _drop_failed({k: s for k, s in slots.items() if s.role == "weight"}, group)
     sync_observers(imatrix_roles.held(slots), group)
