@@ -178,8 +178,8 @@ def check_length(batch, i: int, who: str = "calibrate") -> None:
     """Raise where batch ``i``'s input (its first tensor: ``input_ids``, ``inputs_embeds``, the
     first argument) has rows but an empty dimension after them (sequences of 0 tokens): the
     model fails on it somewhere inside its forward (an attention's reshape), the sequential
-    pass elsewhere. A batch of 0 rows is passed over (every module passes it through), as
-    before. Shapes only: no tensor is read."""
+    pass elsewhere. A batch of 0 rows is not refused here (a plain module passes it through;
+    the model says whether it takes one), as before. Shapes only: no tensor is read."""
     for name, value in batch_arguments(batch):
         t = next(tensors_in(value), None)
         if t is None:
