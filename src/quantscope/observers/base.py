@@ -216,8 +216,9 @@ class Observer(nn.Module):
     def observe_minmax(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """``forward(x)`` where ``x``'s per-unit ``lo`` / ``hi`` (float32 ``[U]``, the
         layout's unit order, NaN propagated) were taken elsewhere, e.g. many weights' in one
-        grouped launch (:func:`quantscope.observers.observe_many`). The state may keep
-        ``lo`` / ``hi`` themselves (a memoryless observer does). Only where
+        grouped launch (:func:`quantscope.observers.observe_many`). They are handed over:
+        the state may keep them (a memoryless observer does) or write its update into them
+        (a moving average does), so pass copies where you read them after. Only where
         :attr:`takes_minmax`; ``x`` must pass :meth:`check_input`."""
         if not self.takes_minmax:
             raise TypeError(f"{self.describe()}: observe_minmax needs an observer whose state "
