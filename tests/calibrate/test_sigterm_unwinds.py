@@ -103,3 +103,22 @@ def test_a_sigterm_as_a_finished_sequential_run_cleans_up_waits_for_the_cleanup(
                   sequential=Sequential(cache_budget_mb=0, cache_dir=tmp_path))
     assert delivered == [signal.SIGTERM]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_sigterm_as_the_handler_is_set_still_restores_it(delivered, monkeypatch):
+    # the handler was set before the try: a SIGTERM at once raised outside it, and the
+    # handler stayed, ignoring every later SIGTERM
+    real = signal.signal
+
+    def set_then_signalled(signum, handler):
+        before = real(signum, handler)
+        if callable(handler):  # (the run's own)
+            _sigterm()
+        return before
+
+    with pytest.raises(Terminated), monkeypatch.context() as patched:
+        patched.setattr(signal, "signal", set_then_signalled)
+        with sigterm_unwinds():
+            pytest.fail("the body ran")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert delivered == [signal.SIGTERM]
