@@ -2,12 +2,14 @@
 forward of the whole-model pass as the sequential pass leaves it untouched; SIGTERM removes
 the spill folder as Ctrl-C does, and still ends the process."""
 
+import collections
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -92,16 +94,38 @@ def test_a_cache_inside_an_argument_is_copied_too():
             self.model = model
 
         def forward(self, inputs):
-            return self.model(**inputs)
+            return self.model(**inputs) if isinstance(inputs, Mapping) else self.model(*inputs)
 
     model, batches = llama()
     cache = transformers.DynamicCache()
     arg = {"input_ids": batches[0], "past_key_values": cache}
-    for batch in ((arg,), [arg], {"inputs": arg}):
+    positional = (batches[0], None, None, cache)
+    for batch in ((arg,), [arg], {"inputs": arg}, (positional,), ([*positional],)):
         forward_batch(Wrapper(model), batch)
         assert cache.get_seq_length() == 0
-    plain = (batches[0],)
-    assert forward_batch(lambda *a: a, plain)[0] is batches[0]  # no cache: nothing copied
+    # a namedtuple batch keeps its type (built by position)
+    Args = collections.namedtuple("Args", "input_ids attention_mask position_ids cache")
+    forward_batch(model, Args(*positional))
+    assert cache.get_seq_length() == 0
+    # no cache: nothing copied, a BatchEncoding argument stays one
+    enc = transformers.BatchEncoding({"input_ids": batches[0]})
+    for plain in ((batches[0],), (enc,), ({"x": enc},)):
+        assert forward_batch(lambda *a: a, plain)[0] is plain[0]
+
+
+def test_a_cache_copy_is_detached_at_any_depth():
+    # a cache holding tensors a graph made (a prefix computed with gradients), in attributes
+    # and in a dict: deepcopy refuses such a tensor, and a copy keeping its graph would let
+    # the calibration's forwards extend the user's
+    from quantscope.calibration.run.batches import _copy_cache
+
+    w = torch.randn(4, 4, requires_grad=True)
+    cache = transformers.DynamicCache()
+    cache.extra, cache.plain = {"prefix": w @ w}, w * 2
+    copy = _copy_cache(cache)
+    assert copy.extra["prefix"] is not cache.extra["prefix"]
+    for got, was in ((copy.extra["prefix"], cache.extra["prefix"]), (copy.plain, cache.plain)):
+        assert got.grad_fn is None and not got.requires_grad and torch.equal(got, was)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "graph"])
@@ -262,6 +286,23 @@ def test_a_checked_stream_is_true_as_its_source_is():
     assert bool(length_checked(b for b in []))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(0, 4)))
     assert not length_checked(loader) and len(length_checked(loader)) == 0
+
+
+@pytest.mark.parametrize(("batch", "said"), [
+    (torch.zeros(0, 0, dtype=torch.long), None),  # 0 rows: the model decides
+    ((torch.ones(2, 4), torch.zeros(2, 0)), None),  # only the input (first tensor) is read
+    (torch.nested.nested_tensor([torch.ones(3), torch.ones(5)]), None),  # no sizes to read
+    (torch.zeros(2, 12, 0), r"input has shape \(2, 12, 0\): its dimension 2 is empty, so"),
+    (torch.zeros(2, 0, 8), r"input has shape \(2, 0, 8\): its dimension 1 is empty \(seq"),
+], ids=["0x0", "second-argument", "nested", "empty-features", "empty-sequences"])
+def test_the_length_check_reads_the_input_alone(batch, said):
+    from quantscope.calibration.run.batches import check_length
+
+    if said is None:
+        check_length(batch, 3)
+    else:
+        with pytest.raises(ValueError, match=rf"^calibrate: batch 3's {said}"):
+            check_length(batch, 3)
 
 
 def test_a_batch_of_zero_rows_is_still_passed_over():
