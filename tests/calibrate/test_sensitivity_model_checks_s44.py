@@ -120,20 +120,24 @@ def test_a_model_that_is_no_module_is_refused_naming_its_type(who, call):
             call(bad, xs, calib)
 
 
-@pytest.mark.parametrize("who", sorted(_MEASURES))
+@pytest.mark.parametrize("how", [*sorted(_MEASURES), "measure"])
 @pytest.mark.parametrize("kind", ["tensor", "dict"])
-def test_a_batch_of_empty_sequences_is_refused_before_any_forward(who, kind):
+@pytest.mark.parametrize("stream", [False, True], ids=["list", "generator"])
+def test_a_batch_of_empty_sequences_is_refused_before_its_forward(how, kind, stream):
     # token ids of 0 tokens counted as one (a document kept), so the model's attention met
     # "cannot reshape tensor of 0 elements" and nothing named the batch
     model, batches = llama(0)
     calibration = quantscope.calibrate(model, batches, "w8a8", progress=False)
     ids = torch.zeros(2, 0, dtype=torch.long)
     empty, where = (ids, "input") if kind == "tensor" else ({"input_ids": ids}, "input_ids")
+    given = [batches[0], empty]
     calls = _forwards(model)
+    run = _MEASURES.get(how, output_sensitivity.measure)  # (what sensitivity() runs)
+    who = "sensitivity" if how == "measure" else how
     with pytest.raises(ValueError, match=rf"^{who}: batch 1's {where} has shape \(2, 0\): "
                                          rf"its dimension 1 is empty"):
-        _MEASURES[who](model, [batches[0], empty], calibration)
-    assert not calls
+        run(model, (b for b in given) if stream else given, calibration)
+    assert len(calls) <= (1 if stream else 0)  # (a stream's batch 0 may run before it)
 
 
 def test_sensitivity_refuses_empty_sequences_before_calibrating():
