@@ -82,6 +82,14 @@ def test_every_text_field_refuses_a_yaml_number(tmp_path, text, field):
         "quote it" in said, said
 
 
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "---\n"])
+def test_an_empty_recipe_file_is_not_a_recipe(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=r"not a recipe \(ValueError: Recipe must be a mapping"):
+        read_recipe_file(str(path))
+
+
 @pytest.mark.parametrize("value, kind", [("on", "a boolean"), ("false", "a boolean"),
                                          ("2024-05-01", "a date")])
 def test_a_yaml_boolean_or_date_where_a_recipe_takes_text_says_to_quote_it(tmp_path, value,
