@@ -74,30 +74,23 @@ def _fresh_caches(batch):
     scoring): each forward starts from the cache as given (an empty one: as with none, the
     sequential pass's result), and the user's stays as it was. A batch holding none is
     returned as it is."""
-    if keyword_batch(batch):
-        return _fresh_in(batch, batch.keys())
-    return _fresh_in(batch, None) if isinstance(batch, (tuple, list)) else batch
+    return _fresh(batch, keyword_batch(batch))
 
 
-def _fresh_in(value, keys):
-    """``value`` (a mapping with ``keys``, else a tuple or list) with its KV caches copied,
-    at any depth; ``value`` itself where it holds none."""
-    if keys is not None:
-        old = {k: value[k] for k in keys}
-        new = {k: _fresh(v) for k, v in old.items()}
-        return value if all(new[k] is v for k, v in old.items()) else new
+def _fresh(value, keywords: bool = False):
+    """``value`` with its KV caches copied, at any depth (``keywords``: read as a mapping, as
+    ``**`` reads a batch; any Mapping inside); ``value`` itself where it holds none."""
+    if is_kv_cache(value):
+        return _copy_cache(value)
+    if keywords or isinstance(value, Mapping):
+        new = {k: _fresh(value[k]) for k in value.keys()}  # noqa: SIM118 (what ** reads)
+        return value if all(new[k] is value[k] for k in new) else new
+    if not isinstance(value, (tuple, list)):
+        return value
     new = [_fresh(v) for v in value]
     if all(a is b for a, b in zip(new, value)):
         return value
     return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
-
-
-def _fresh(value):
-    if is_kv_cache(value):
-        return _copy_cache(value)
-    if isinstance(value, Mapping):
-        return _fresh_in(value, value.keys())
-    return _fresh_in(value, None) if isinstance(value, (tuple, list)) else value
 
 
 def _copy_cache(cache):
