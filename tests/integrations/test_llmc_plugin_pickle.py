@@ -46,3 +46,18 @@ def test_the_repr_names_the_role_and_the_quantscope_observer(name):
     observer = Observer.load_from_registry(name, base_name="weight", args=args)
     native = name.removeprefix("quantscope_")
     assert f"base_name='weight', quantscope='{native}'" in repr(observer), repr(observer)
+
+
+def test_observers_pickle_after_the_module_is_imported_anew(monkeypatch):
+    # a second import (sys.modules purged) registered nothing new, so its module held no
+    # class: pickle, which looks a class up by its module's name, found none
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, qsl.__name__)  # (the first module back afterwards)
+    again = importlib.import_module(qsl.__name__)
+    assert again is not qsl
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    observer = Observer.load_from_registry("quantscope_mse", base_name="weight", args=args)
+    observer(torch.randn(4, 16))
+    assert type(pickle.loads(pickle.dumps(observer))) is type(observer)

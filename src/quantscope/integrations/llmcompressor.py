@@ -485,7 +485,9 @@ def register_all() -> None:
     """Register one :class:`QuantscopeObserver` subclass per native name (idempotent)."""
     known = set(Observer.registered_names())
     for name in observer_names():
-        if standardize_lookup_name(name) in known:
+        if standardize_lookup_name(name) in known:  # (this module imported anew: pickled by
+            cls = Observer.get_value_from_registry(name)  # the name the first one gave it)
+            globals()[cls.__name__] = cls
             continue
         native = name[len(PREFIX):]
         base = QuantscopeIMatrixObserver if native == "imatrix_mse" else QuantscopeObserver
