@@ -107,7 +107,12 @@ def test_a_cache_inside_an_argument_is_copied_too():
     Args = collections.namedtuple("Args", "input_ids attention_mask position_ids cache")
     forward_batch(model, Args(*positional))
     assert cache.get_seq_length() == 0
-    # no cache: nothing copied, a BatchEncoding argument stays one
+    # a BatchEncoding argument holding one is copied as a BatchEncoding (a wrapper reads
+    # inputs.input_ids); with no cache, nothing is copied
+    enc = transformers.BatchEncoding({"input_ids": batches[0], "past_key_values": cache})
+    (got,) = forward_batch(lambda *a: a, (enc,))
+    assert type(got) is transformers.BatchEncoding and got.input_ids is batches[0]
+    assert got["past_key_values"] is not cache and enc["past_key_values"] is cache
     enc = transformers.BatchEncoding({"input_ids": batches[0]})
     for plain in ((batches[0],), (enc,), ({"x": enc},)):
         assert forward_batch(lambda *a: a, plain)[0] is plain[0]
@@ -306,7 +311,7 @@ def test_the_length_check_reads_the_input_alone(batch, said):
 
 
 def test_a_batch_of_zero_rows_is_still_passed_over():
-    # 0 rows (every module passes them through) are not empty sequences: no new refusal
+    # 0 rows (a plain module passes them through) are not empty sequences: no new refusal
     lin = torch.nn.Sequential(torch.nn.Linear(8, 8))
     batches = [torch.randn(4, 8), torch.randn(0, 8)]
     assert_same_qparams(calibrate(lin, batches, "w8a8", progress=False),

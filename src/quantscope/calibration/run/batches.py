@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import operator
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -67,6 +68,10 @@ def is_kv_cache(value) -> bool:
     return cache_utils is not None and isinstance(value, cache_utils.Cache)
 
 
+#: what holds no KV cache: :func:`_fresh` returns it at once
+_LEAVES = (torch.Tensor, str, bytes, int, float, complex)
+
+
 def _fresh_caches(batch):
     """``batch`` with each KV cache object in it (an argument, or inside one: a dict a
     wrapper model takes positionally) replaced by a copy: a forward fills the cache it is
@@ -79,16 +84,25 @@ def _fresh_caches(batch):
 
 def _fresh(value, keywords: bool = False):
     """``value`` with its KV caches copied, at any depth (``keywords``: read as a mapping, as
-    ``**`` reads a batch; any Mapping inside); ``value`` itself where it holds none."""
+    ``**`` reads a batch; any Mapping inside); ``value`` itself where it holds none, else a
+    copy of its type (a ``BatchEncoding`` stays one)."""
+    if isinstance(value, _LEAVES) or value is None:
+        return value
     if is_kv_cache(value):
         return _copy_cache(value)
     if keywords or isinstance(value, Mapping):
         new = {k: _fresh(value[k]) for k in value.keys()}  # noqa: SIM118 (what ** reads)
-        return value if all(new[k] is value[k] for k in new) else new
+        if all(new[k] is value[k] for k in new):
+            return value
+        if type(value) is dict or not isinstance(value, MutableMapping):
+            return new
+        out = copy.copy(value)  # (its other attributes kept, as map_tensors keeps them)
+        out.update(new)
+        return out
     if not isinstance(value, (tuple, list)):
         return value
-    new = [_fresh(v) for v in value]
-    if all(a is b for a, b in zip(new, value)):
+    new = [v if isinstance(v, _LEAVES) else _fresh(v) for v in value]  # (a long list of ids)
+    if all(map(operator.is_, new, value)):
         return value
     return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
 
