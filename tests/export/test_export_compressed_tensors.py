@@ -12,6 +12,7 @@ import pathlib
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -549,7 +550,8 @@ def test_fp8_tiles_with_a_partial_last_tile_load_in_transformers(llama, tmp_path
 
 
 @pytest.mark.parametrize(("options", "error", "said"), [
-    ({"max_shard_size": "lots"}, ValueError, "max_shard_size must be a size in bytes > 0"),
+    ({"max_shard_size": "lots"}, ValueError, "max_shard_size must be a size of at least one"),
+    ({"max_shard_size": "0.0001KB"}, ValueError, "got '0.0001KB'"),  # (0 bytes to the hub)
     ({"max_shard_size": -5}, ValueError, "got -5"),  # (one shard per tensor, written)
     ({"max_shard_size": "0GB"}, ValueError, "got '0GB'"),
     ({"max_shard_size": True}, ValueError, "got True"),
@@ -570,5 +572,5 @@ def test_shard_size_and_model_path_are_checked_with_the_other_arguments(bert, tm
     with pytest.raises(error):
         quantscope.export(cal, model, tmp_path / "ct", **options)
     assert not list(tmp_path.iterdir())
-    for size in (100, "5GB", " 0.5 gb ", "1TB"):
+    for size in (100, "5GB", " 0.5 gb ", "1TB", 5e9, np.int64(8000)):  # what the hub takes
         _check_call(cal, model, **{**args, "model_path": None, "max_shard_size": size})

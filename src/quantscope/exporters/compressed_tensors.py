@@ -409,8 +409,8 @@ def export_compressed_tensors(calibration, model: nn.Module, path, *, overwrite:
         model_path: the source model folder (with a config.json) whose tokenizer,
             generation config and chat template (``EXPORT_EXTRAS``) are copied (default: the
             folder ``model.config._name_or_path`` names, then ``calibration.info["model"]``).
-        max_shard_size: as transformers' ``save_pretrained`` takes it: bytes (an int > 0), or a
-            number > 0 and a unit (TB, GB, MB, KB: ``"5GB"``).
+        max_shard_size: as transformers' ``save_pretrained`` takes it: a number of bytes, or a
+            number and a unit (TB, GB, MB, KB: ``"5GB"``); at least one byte.
 
     Returns the path. Raises ``ValueError`` naming the layer and the feature for anything the
     format cannot express, before anything is written.

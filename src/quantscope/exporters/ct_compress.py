@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
 import os
 import re
 
@@ -66,24 +68,26 @@ def compress(compressor, work: nn.Module) -> None:
 
 
 #: the units a ``max_shard_size`` text takes (huggingface_hub's, which save_pretrained uses)
-_SIZE_UNITS = ("TB", "GB", "MB", "KB")
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 
 
 def check_shard_size(value, who: str) -> None:
     """Refuse a ``max_shard_size`` save_pretrained would refuse (in the writer only, naming
-    no argument) or take wrongly (a size <= 0: a shard per tensor): bytes, an int > 0, or a
-    number > 0 and a unit (``"5GB"``, ``"500MB"``)."""
+    no argument) or take wrongly (a size below one byte: a shard per tensor): a number of
+    bytes, or a number and a unit (``"5GB"``, ``"500MB"``), read as huggingface_hub reads
+    it."""
+    size = None
     if isinstance(value, str) and value.strip()[-2:].upper() in _SIZE_UNITS:
-        try:
-            number = float(value.strip()[:-2])
-        except ValueError:
-            number = None
-        if number is not None and 0 < number < float("inf"):
-            return
-    elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return
-    raise ValueError(f"{who}: max_shard_size must be a size in bytes > 0, or a number > 0 and "
-                     f"a unit ({', '.join(_SIZE_UNITS)}: '5GB'), got {value!r}")
+        with contextlib.suppress(ValueError):
+            size = float(value.strip()[:-2]) * _SIZE_UNITS[value.strip()[-2:].upper()]
+        if size is not None and math.isfinite(size):
+            size = int(size)  # (huggingface_hub's bytes)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        size = value
+    if size is None or not 1 <= size < math.inf:
+        raise ValueError(f"{who}: max_shard_size must be a size of at least one byte: a "
+                         f"number of bytes, or a number and a unit ({', '.join(_SIZE_UNITS)}: "
+                         f"'5GB'), got {value!r}")
 
 
 def save_here(work: nn.Module, folder: str, **options) -> None:
