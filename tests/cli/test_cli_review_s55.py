@@ -82,6 +82,16 @@ def test_every_text_field_refuses_a_yaml_number(tmp_path, text, field):
         "quote it" in said, said
 
 
+@pytest.mark.parametrize("value", ["false", "no"])
+def test_fuse_false_says_how_to_turn_fusion_off(tmp_path, value):
+    # it loaded as no fusion group before (fusion still on); quoted, it is a group's name
+    path = tmp_path / "r.yaml"
+    path.write_text(f"fuse: {value}\n{_RULES}")
+    with pytest.raises(UsageError, match=r"which YAML reads as a boolean; .*; to turn fusion "
+                                         r"off, write fusion: false$"):
+        read_recipe_file(str(path))
+
+
 @pytest.mark.parametrize("text", ["", "# nothing yet\n", "---\n"])
 def test_an_empty_recipe_file_is_not_a_recipe(tmp_path, text):
     path = tmp_path / "r.yaml"

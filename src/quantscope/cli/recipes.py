@@ -247,10 +247,12 @@ def _load_yaml(text: str, path: str):
             for where, scalar in _not_text_at(node, fields, ""):
                 at, key = scalar.start_mark, fields[-1] if fields[-1] != "*" else None
                 quoted = f'{key}: "{scalar.value}"' if key else f'"{scalar.value}"'
+                off = where == "fuse" and scalar.tag.endswith(":bool")  # (fusion's own key)
                 raise UsageError(
                     f"--recipe-file {path!r}: {where} (line {at.line + 1}, column "
                     f"{at.column + 1}) is {scalar.value}, which YAML reads as "
-                    f"{_NOT_TEXT[scalar.tag]}; the field takes text: quote it, {quoted}")
+                    f"{_NOT_TEXT[scalar.tag]}; the field takes text: quote it, {quoted}"
+                    f"{'; to turn fusion off, write fusion: false' if off else ''}")
         return loader.construct_document(node)
     finally:
         loader.dispose()
