@@ -1,9 +1,14 @@
 """compressed-tensors export of a model whose checkpoint names differ from its module names
 (Llava: ``language_model.*`` on disk, ``model.language_model.*`` in memory): the config's
-``ignore`` names the tensors on disk, renamed once, whether the model came from
-``from_pretrained`` (compressed-tensors renames the list itself then) or was built in memory."""
+``ignore`` matches the tensors on disk, renamed once, whether the model came from
+``from_pretrained`` (compressed-tensors renames the list itself then) or was built in memory,
+and the model's own names too: one regex for both spellings, as vLLM reads the checkpoint's
+names and transformers' compressed-tensors loader the model's (GPT-NeoX's ``embed_out`` is
+its ``lm_head``: ignored under the disk name alone, transformers loaded it quantized with
+uninitialised scales)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -17,7 +22,9 @@ from quantscope.calibration import Calibration, calibrate, preset
 
 IGNORE = ("re:.*vision_tower.*", "re:.*multi_modal_projector.*", "lm_head",
           "model.language_model.layers.0.mlp.down_proj")
-ON_DISK = {"language_model.model.layers.0.mlp.down_proj", "language_model.lm_head"}
+#: the ignored layers' names on disk, and in the model
+ON_DISK = {"language_model.model.layers.0.mlp.down_proj":
+           "model.language_model.layers.0.mlp.down_proj", "language_model.lm_head": "lm_head"}
 
 
 def _config():
@@ -56,11 +63,17 @@ def test_ignore_names_the_tensors_on_disk(source, tmp_path, how):
     cls = transformers.LlavaForConditionalGeneration
     model = cls.from_pretrained(source) if how == "from_pretrained" else cls(_config())
     ignore, layers = _export(model, source, tmp_path / "out")
-    assert ON_DISK <= set(ignore)
-    assert [n for n in ignore if n not in layers] == []
+    for name, module in ON_DISK.items():  # the disk's name and the model's, in one entry
+        assert any(_matches(e, name) and _matches(e, module) for e in ignore), (name, ignore)
+    assert [n for n in ignore if not any(_matches(n, layer) for layer in layers)] == []
     read = Calibration.from_compressed_tensors(tmp_path / "out")
     assert "model.language_model.layers.0.mlp.down_proj" not in read.states
     assert "model.language_model.layers.0.mlp.up_proj" in read.states
+
+
+def _matches(entry: str, name: str) -> bool:
+    """compressed-tensors' and vLLM's rule: ``re:`` and ``re.match``, else the name itself."""
+    return bool(re.match(entry[3:], name)) if entry.startswith("re:") else entry == name
 
 
 def test_a_float_layer_the_ignore_misses_is_named(source, tmp_path):
@@ -69,8 +82,29 @@ def test_a_float_layer_the_ignore_misses_is_named(source, tmp_path):
     cfg_path = tmp_path / "out" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     ignore = cfg["quantization_config"]["ignore"]
-    ignore[:] = [n for n in ignore if not n.endswith("layers.0.mlp.down_proj")]
+    ignore[:] = [n for n in ignore if not _matches(n, "model.language_model.layers.0.mlp."
+                                                   "down_proj")]
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj: .*no weight_scale is "
                                          r"stored .*ignore does not name"):
         Calibration.from_compressed_tensors(tmp_path / "out")
+
+
+@pytest.mark.parametrize("preset_name", ["w8a8", "fp8"])
+def test_a_renamed_layer_left_in_float_loads_in_float_in_transformers(tmp_path, preset_name):
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, vocab_size=100,
+                                     max_position_embeddings=64)
+    model = transformers.GPTNeoXForCausalLM(cfg).eval()
+    batch = {"input_ids": torch.randint(0, 100, (2, 8), generator=torch.Generator()
+                                        .manual_seed(1))}
+    calib = calibrate(model, [batch], preset(preset_name, ignore=["lm_head"]), progress=False)
+    quantscope.export(calib, model, tmp_path / "out")
+    with torch.inference_mode(), calib.apply(model):
+        want = model(**batch).logits
+    loaded, info = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "out",
+                                                                  output_loading_info=True)
+    assert not info["missing_keys"]  # (lm_head's scales were, filled at random)
+    with torch.inference_mode():
+        assert torch.equal(loaded.eval()(**batch).logits, want)

@@ -155,8 +155,9 @@ def annotate(folder: str, calibration, notes: list[str], source, work) -> None:
     disk = checkpoint_names(work, {n for names in lists for n in names if n in modules})
     classes = {c.__name__ for m in modules.values() for c in type(m).__mro__}
     for names in lists:
-        names[:] = [_exact(disk.get(n, n)) if n in modules and (n.startswith("re:") or n in classes)
-                    else disk.get(n, n) for n in names]
+        names[:] = [_written(n, disk.get(n, n), n in modules and (n.startswith("re:")
+                                                                or n in classes))
+                    for n in names]
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
                          "lossy": notes, "model": source,
                          "smoothed": bool(calibration.smoothing)}
@@ -164,10 +165,15 @@ def annotate(folder: str, calibration, notes: list[str], source, work) -> None:
         json.dump(cfg, f, indent=2, sort_keys=True)
 
 
-def _exact(name: str) -> str:
-    """A layer name compressed-tensors and vLLM would read as something else (a regex after
-    ``re:``, a class name such as ``Embedding``), as the regex that matches it alone."""
-    return "re:" + re.escape(name) + "$"
+def _written(name: str, disk: str, ambiguous: bool) -> str:
+    """How the config names the layer the model calls ``name`` and its checkpoint ``disk``:
+    where the two differ (transformers renames it as it loads: GPT-NeoX's ``embed_out`` is
+    its ``lm_head``), one regex for both, as vLLM matches the checkpoint's names and
+    transformers' compressed-tensors loader the model's; else the name, or (``ambiguous``: a
+    regex after ``re:``, a class name such as ``Embedding``) the regex of it alone."""
+    if disk != name:
+        return f"re:(?:{re.escape(disk)}|{re.escape(name)})$"
+    return "re:" + re.escape(name) + "$" if ambiguous else name
 
 
 def _complete_ignore(config, work: nn.Module) -> None:
