@@ -60,6 +60,23 @@ def test_edited_global_scales_are_flagged(tmp_path, capsys):
     assert "model.layers.0.mlp.up_proj=9.25" in out
 
 
+def test_cross_attention_fuses_keys_and_values_only(tmp_path):
+    # Whisper / BART: the decoder's encoder_attn queries read the decoder's states, its keys
+    # and values the encoder's output (calibrate fuses only those; vLLM keeps q_proj apart
+    # beside kv_proj): check called quantscope's own export inconsistent
+    cross = "model.decoder.layers.0.encoder_attn.{}"
+    t = {}
+    for shard, scale in (("q_proj", 3.0), ("k_proj", 5.0), ("v_proj", 5.0)):
+        t[cross.format(shard) + ".weight"] = torch.zeros(8, 8, dtype=torch.int8)
+        t[cross.format(shard) + ".weight_scale"] = torch.ones(8, 1)
+        t[cross.format(shard) + ".input_scale"] = torch.tensor([scale])
+    assert check(write(tmp_path / "ok", t, fmt="int-quantized")) == []
+    t[cross.format("v_proj") + ".input_scale"] = torch.tensor([6.0])
+    problems = check(write(tmp_path / "bad", t, fmt="int-quantized"))
+    assert [(p["group"], p["tensor"]) for p in problems] == [
+        ("model.decoder.layers.0.encoder_attn.kv_proj", "input_scale")]
+
+
 def test_shards_of_different_schemes_are_flagged(tmp_path, capsys):
     # found by probing: keep_float made up_proj's input dynamic (no input scale) and kept
     # gate_proj's static; the check compared only values both held and said they agree

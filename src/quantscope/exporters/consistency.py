@@ -1,6 +1,7 @@
 """Check a compressed-tensors checkpoint against the runtime's fusion rules.
 
-vLLM loads ``q_proj`` / ``k_proj`` / ``v_proj`` into one ``qkv_proj``, ``gate_proj`` /
+vLLM loads ``q_proj`` / ``k_proj`` / ``v_proj`` into one ``qkv_proj`` (a cross-attention's
+``k_proj`` / ``v_proj`` into one ``kv_proj``, its ``q_proj`` apart), ``gate_proj`` /
 ``up_proj`` (and an expert's ``w1`` / ``w3``) into one ``gate_up_proj`` / ``w13``, and
 DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa`` into one ``fused_qkv_a_proj``. The fused
 layer keeps **one** of each per-tensor scale: the largest NVFP4 ``weight_global_scale``
@@ -57,6 +58,11 @@ FUSED: dict[str, tuple[str, ...]] = {
     "w13": ("w1", "w3"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
+
+#: cross-attention modules (transformers' name for the decoder's attention over the encoder's
+#: output: Whisper, BART): vLLM fuses their keys and values only, as its queries read the
+#: decoder's states (whisper.py's q_proj beside kv_proj)
+CROSS_ATTENTION, CROSS_FUSED = ("encoder_attn",), {"kv_proj": ("k_proj", "v_proj")}
 
 #: input scales a fused MoE layer holds once for all its experts (per w13, per w2)
 EXPERT_SHARED = ("input_scale", "input_global_scale")
@@ -224,7 +230,7 @@ def _fused(entries):
     """``(fused layer, its shard layers in the runtime's order, those quantized)`` of every
     fused layer of the checkpoint (:func:`_fused_groups`), by name."""
     for (parent, fused), shards in sorted(_fused_groups(entries).items()):
-        every = [shards[s] for s in FUSED[fused] if s in shards]
+        every = [shards[s] for s in {**FUSED, **CROSS_FUSED}[fused] if s in shards]
         yield (f"{parent}.{fused}" if parent else fused, every,
                [layer for layer in every if quantized(entries, layer)])
 
@@ -239,7 +245,12 @@ def _fused_groups(entries) -> dict[tuple[str, str], dict[str, str]]:
         layer, _, leaf = name.rpartition(".")
         parent, _, shard = layer.rpartition(".")
         if shard in shard_of and leaf in ("weight", "weight_packed", *SHARED):
-            groups.setdefault((parent, shard_of[shard]), {})[shard] = layer
+            fused = shard_of[shard]
+            if fused == "qkv_proj" and parent.rpartition(".")[2] in CROSS_ATTENTION:
+                if shard == "q_proj":
+                    continue  # (a layer of its own there)
+                fused = "kv_proj"
+            groups.setdefault((parent, fused), {})[shard] = layer
     return groups
 
 
