@@ -165,3 +165,38 @@ def test_a_partial_state_of_an_observed_tensor_is_refused_even_not_strict(name):
     fresh.load_state_dict({k: v for k, v in unobserved.items() if k not in sized},
                           strict=False)  # nothing observed: nothing lost
     assert not fresh.has_observed
+
+
+@pytest.mark.parametrize("name", ["histogram", "histogram_mse", "mix", "percentile", "minmax"])
+@pytest.mark.parametrize("key", ["hist_exp", "hist_first", "hist_counts", "hist_lo", "min_vals"])
+def test_an_observed_state_with_an_emptied_statistic_is_a_value_error(name, key):
+    # accepted before (0 entries passed for any sized buffer): the histogram's C kernel then
+    # read past the empty hist_exp / hist_first (a segmentation fault), others raised bare
+    saved = _state(_observed(name, QuantSpec("int8"), _matrix()))
+    if key not in saved:
+        pytest.skip(f"{name} keeps no {key}")
+    saved[key] = saved[key][:0]
+    with pytest.raises(ValueError, match=rf"cannot load a state whose {key} has 0 units"):
+        get_observer(name, QuantSpec("int8")).load_state_dict(saved)
+
+
+@pytest.mark.parametrize(("key", "edit", "said"), [
+    ("hist_exp", lambda t: t[None], r"hist_exp has shape \[1, 1\]: it holds 1 dimension"),
+    ("hist_counts", lambda t: t[:, None], r"hist_counts has shape \[1, 1, \d+\]: it holds 2 "),
+    ("observed_shape", lambda t: t[None], r"observed_shape \[\[8, 8\]\] is no tensor shape"),
+    ("observed_shape", lambda t: -t - 1, r"observed_shape \[-9, -9\] is no tensor shape"),
+])
+def test_a_statistic_of_another_rank_is_a_value_error(key, edit, said):
+    saved = _state(_observed("histogram", QuantSpec("int8"), _matrix()))
+    saved[key] = edit(saved[key])
+    with pytest.raises(ValueError, match=said):
+        get_observer("histogram", QuantSpec("int8")).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name", ["histogram", "mse", "memoryless_minmax", "static_minmax"])
+def test_a_whole_state_still_loads_with_its_empty_optional_statistics(name):
+    spec = QuantSpec("int8", "channel:0")
+    saved = _observed(name, spec, _matrix())
+    fresh = get_observer(name, spec)
+    fresh.load_state_dict(_state(saved))
+    _same_state(_state(fresh), _state(saved))

@@ -72,12 +72,27 @@ def partial(state_dict, prefix, sized, who: str) -> str | None:
     return None
 
 
+#: sized buffers held together: all empty (a mode's, or a state made from a range alone: a
+#: Horizon state in a histogram class) or all filled, never some (a histogram's C kernel
+#: would read past an empty ``hist_exp``); and those of more than one dimension (a
+#: histogram's counts, units x bins); the others hold one entry per unit
+TOGETHER = (("hist_counts", "hist_exp", "hist_first", "hist_lo", "hist_hi"),
+            ("min_vals", "max_vals"), ("ema_lo", "ema_hi"), ("window_lo", "window_hi"))
+NDIM = {"hist_counts": 2}
+
+
 def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=()) -> None:
     """``ValueError`` naming ``who`` unless each saved ``sized`` buffer fits ``layout`` for the
-    saved shape: one entry per unit along its first dimension (a histogram's counts are units
-    x bins), one for those of ``one_value`` (NVFP4's global amax), or none (else ``qparams()`` fails
-    later with a bare reshape, or reads another unit's entry without a word)."""
-    who, shape = at(who, prefix), saved_shape(state_dict, prefix)
+    saved shape: one entry per unit along its first dimension (:data:`NDIM` dimensions), one
+    for those of ``one_value`` (NVFP4's global amax), or none, as the others of its
+    :data:`TOGETHER` group (else ``qparams()`` fails later with a bare reshape, reads another
+    unit's entry without a word, or a C kernel reads past an empty buffer)."""
+    who, saved = at(who, prefix), state_dict.get(prefix + "observed_shape")
+    if saved is not None and not saved.is_meta and (
+            saved.dim() != 1 or saved.is_floating_point() or bool((saved < 0).any())):
+        raise ValueError(f"{who}: cannot load a state whose observed_shape {saved.tolist()} is "
+                         f"no tensor shape (one size >= 0 per dimension)")
+    shape = saved_shape(state_dict, prefix)
     if shape is None:
         return
     try:
@@ -91,12 +106,22 @@ def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=(
             continue
         one = name in one_value
         want, got = 1 if one else units, len(t) if t.dim() else 1
-        if got not in (0, want):
+        if got not in (0, want) or (got == 0 and _filled_beside(state_dict, prefix, name)):
             raise ValueError(
                 f"{who}: cannot load a state whose {name} has {got} "
                 f"{'values' if one else 'units'}; " + ("it holds one value for the tensor"
                 if one else f"shape {shape} under {layout} has {units} (the state was "
-                f"saved by an observer of another layout)"))
+                f"saved by an observer of another layout, or edited)"))
+        if t.numel() and not one and t.dim() != NDIM.get(name, 1):
+            raise ValueError(f"{who}: cannot load a state whose {name} has shape "
+                             f"{list(t.shape)}: it holds {NDIM.get(name, 1)} dimension(s), "
+                             f"the units first")
+
+
+def _filled_beside(state_dict, prefix, name: str) -> bool:
+    """Whether a buffer of ``name``'s :data:`TOGETHER` group holds entries."""
+    group = next((g for g in TOGETHER if name in g), ())
+    return any((t := state_dict.get(prefix + n)) is not None and t.numel() for n in group)
 
 
 def check(state_dict, prefix, mine: dict, who: str) -> None:
