@@ -4,6 +4,7 @@ file's user can do; ``main`` returns the code of a SystemExit raised inside a co
 documented codes 1 (stdout's reader gone) and 130 (interrupted)."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -90,6 +91,21 @@ def test_fuse_false_says_how_to_turn_fusion_off(tmp_path, value):
     with pytest.raises(UsageError, match=r"which YAML reads as a boolean; .*; to turn fusion "
                                          r"off, write fusion: false$"):
         read_recipe_file(str(path))
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ('rules:\n  - targets: ["re:(.|.)*z"]\n    weight: {spec: {format: int8}}\n',
+     "rules[0].targets"),
+    (f'ignore: ["re:(a+)+$"]\n{_RULES}', "ignore")])
+def test_a_pattern_that_can_backtrack_for_hours_is_refused(tmp_path, text, field):
+    # accepted: matching re:(.|.)*z took 10 s against a 26-character module name, doubling
+    # with each more; a saved calibration and a checkpoint's config refuse it already
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=rf"^--recipe-file '.*': {re.escape(field)}: 're:"):
+        read_recipe_file(str(path))
+    path.write_text(f'ignore: ["re:.*lm_head", "re:.*self_attn.(q|k|v)_proj$"]\n{_RULES}')
+    assert read_recipe_file(str(path)).ignore == ("re:.*lm_head", "re:.*self_attn.(q|k|v)_proj$")
 
 
 @pytest.mark.parametrize("text", ["", "# nothing yet\n", "---\n"])

@@ -313,6 +313,7 @@ def read_recipe_file(path: str):
     """``--recipe-file``'s :class:`Recipe`, read before the model loads; a file that does not
     parse or does not hold a recipe is a UsageError naming the flag and the file."""
     from ..calibration.recipe import Recipe
+    from ..calibration.results.io import check_patterns
 
     d = _recipe_text(path)
     try:
@@ -320,6 +321,8 @@ def read_recipe_file(path: str):
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UsageError(f"--recipe-file {path!r}: not a recipe ({type(e).__name__}: {e}); "
                          f"expected the structure of Recipe.to_dict()") from None
+    check_patterns(rec, path, lambda p, field, why: UsageError(
+        f"--recipe-file {p!r}: {field.removeprefix('recipe.')}: {why}"))
     return _check_observers(rec, path)
 
 

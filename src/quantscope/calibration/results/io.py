@@ -39,7 +39,7 @@ from .result import Calibration
 from .role_state import RoleState
 from .saving import FORMAT, META, READS, SMOOTH, TENSORS, safetensors, save
 
-__all__ = ["META", "TENSORS", "load", "save"]
+__all__ = ["META", "TENSORS", "check_patterns", "load", "save"]
 
 #: the role names ``apply`` knows: a module's and the KV cache's
 _ROLE_NAMES = (*ROLES, *kv_cache.ROLES)
@@ -128,7 +128,7 @@ def load(path, device="cpu") -> Calibration:
         recipe = Recipe.from_dict(meta["recipe"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise bad(meta_path, "recipe", f"{type(e).__name__}: {e}") from None
-    _check_patterns(recipe, meta_path, bad)
+    check_patterns(recipe, meta_path, bad)
     states, used = {}, set()
     for layer, roles in meta["layers"].items():
         if not isinstance(roles, dict):
@@ -151,16 +151,17 @@ def load(path, device="cpu") -> Calibration:
                        smoothing=smoothing, writer_rank=main_global_rank())
 
 
-def _check_patterns(recipe: Recipe, meta_path, bad) -> None:
-    """Refuse a ``re:`` target or ignore entry of a file someone else may have written that
-    could backtrack for hours at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a
-    recipe built in Python is the author's own, and not checked so."""
+def check_patterns(recipe: Recipe, path, bad) -> None:
+    """Refuse (``bad(path, field, why)``) a ``re:`` target or ignore entry of a file someone
+    else may have written (a saved calibration, a recipe file) that could backtrack for hours
+    at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a recipe built in Python is
+    the author's own, and not checked so."""
     fields = [(f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)]
     for field, values in [*fields, ("recipe.ignore", recipe.ignore)]:
         for p in values:
             why = pattern_refusal(p)
             if why:
-                raise bad(meta_path, field, why)
+                raise bad(path, field, why)
 
 
 def _refuse_stray(tensors, used, states, bad_tensor) -> None:
