@@ -61,3 +61,23 @@ def test_observers_pickle_after_the_module_is_imported_anew(monkeypatch):
     observer = Observer.load_from_registry("quantscope_mse", base_name="weight", args=args)
     observer(torch.randn(4, 16))
     assert type(pickle.loads(pickle.dumps(observer))) is type(observer)
+
+
+@pytest.mark.parametrize("name", ["quantscope_static_minmax", "quantscope_mse",
+                                  "quantscope_histogram"])
+def test_the_state_dict_holds_nothing_as_llmcompressors_own(name):
+    # the quantscope observer was a submodule: its buffers went into every model state_dict
+    # taken mid-calibration (a strict load into a model with llm-compressor's observers
+    # refused them), and a loaded observer said it held statistics but had no qparams shape
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor")
+    layer = torch.nn.Linear(64, 8)
+    layer.register_module("input_observer",
+                          Observer.load_from_registry(name, base_name="input", args=args))
+    layer.input_observer(torch.randn(4, 64))
+    assert list(layer.input_observer.state_dict()) == []
+    theirs = torch.nn.Linear(64, 8)
+    theirs.register_module("input_observer", Observer.load_from_registry(
+        "static_minmax", base_name="input", args=args))
+    theirs.load_state_dict(layer.state_dict(), strict=True)
+    observer = layer.input_observer
+    assert type(pickle.loads(pickle.dumps(observer)).quantscope) is type(observer.quantscope)

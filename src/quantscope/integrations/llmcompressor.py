@@ -136,7 +136,7 @@ class QuantscopeObserver(Observer):
         try:  # an unknown key, a bad value: in the recipe's words, then the observer's
             kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
             self._make = functools.partial(cls, spec, **kwargs)  # (again: see below)
-            self.quantscope = self._make()
+            object.__setattr__(self, "quantscope", self._make())  # no submodule: no state
         except (TypeError, ValueError) as err:
             given = self.args.observer_kwargs
             raise (TypeError if isinstance(err, TypeError) else ValueError)(
@@ -187,8 +187,8 @@ class QuantscopeObserver(Observer):
             # llm-compressor's observers keep no state before data: theirs goes where the
             # data is (a module placed after its observer was made, model_free_ptq's meta
             # pass), so ours follows; a meta state, holding no values, is made anew there
-            self.quantscope = (self._make() if self._on_meta else self.quantscope).to(
-                units.device)
+            object.__setattr__(self, "quantscope", (
+                self._make() if self._on_meta else self.quantscope).to(units.device))
         merged = observed.dtype
         if not self.quantscope.memoryless and self.quantscope.has_observed:
             # a running range merges every batch's: its dtype theirs promoted (their torch.min
