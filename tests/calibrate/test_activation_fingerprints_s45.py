@@ -201,6 +201,21 @@ def test_a_fingerprint_on_a_run_time_role_is_refused_on_load(tmp_path):
         load(tmp_path / "cal")
 
 
+def test_a_misspelt_fingerprint_is_refused_not_dropped(tmp_path):
+    # an unknown key of a role was dropped: "fingerprnt" loaded as no fingerprint, so
+    # apply() checked nothing about the weights
+    model, batches = llama()
+    calibrate(model, batches, "w8a8", progress=False).save(tmp_path / "cal")
+    meta_path = tmp_path / "cal" / "quantscope.json"
+    meta = json.loads(meta_path.read_text())
+    role = meta["layers"]["model.layers.0.mlp.up_proj"]["weight"]
+    role["fingerprnt"] = role.pop("fingerprint")
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"layers\.model\.layers\.0\.mlp\.up_proj\.weight\."
+                                         r"fingerprnt: unknown key \(a role holds spec, "):
+        load(tmp_path / "cal")
+
+
 def test_a_weight_held_fake_quantized_is_left_to_apply_to_refuse(kv_only):
     """k_proj fake-quantized by another calibration's apply: its bits are not compared (they
     are no float weight), and apply says what is wrong: QDQ already applied."""

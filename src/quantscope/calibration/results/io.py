@@ -287,6 +287,10 @@ def _check_role(d, spec, dyn, options, bad_meta) -> None:
                                        f"{e}") from None
 
 
+#: what save writes of a role beside its tensors
+_ROLE_KEYS = ("spec", "observer", "requested", "dynamic", "options", "shape", "fingerprint")
+
+
 def _role_meta(d, bad_meta, role):
     """The JSON half of a role, checked: ``(spec, dynamic, options, shape)``."""
     if not isinstance(d, dict):
@@ -294,6 +298,9 @@ def _role_meta(d, bad_meta, role):
     for k in ("spec", "observer", "requested", "dynamic", "shape"):
         if k not in d:
             raise bad_meta(k, "missing")
+    for k in d:  # (a misspelt "fingerprint" would leave the model unchecked without a word)
+        if k not in _ROLE_KEYS:
+            raise bad_meta(k, f"unknown key (a role holds {', '.join(_ROLE_KEYS)})")
     try:
         spec = QuantSpec.from_dict(d["spec"])
     except (TypeError, ValueError) as e:
