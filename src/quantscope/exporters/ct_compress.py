@@ -155,9 +155,8 @@ def annotate(folder: str, calibration, notes: list[str], source, work) -> None:
     disk = checkpoint_names(work, {n for names in lists for n in names if n in modules})
     classes = {c.__name__ for m in modules.values() for c in type(m).__mro__}
     for names in lists:
-        names[:] = [_written(n, disk.get(n, n), n in modules and (n.startswith("re:")
-                                                                or n in classes))
-                    for n in names]
+        names[:] = [w for n in names for w in _written(
+            n, disk.get(n, n), n in modules and (n.startswith("re:") or n in classes))]
     cfg["quantscope"] = {"recipe": calibration.recipe.name, "label": calibration.label,
                          "lossy": notes, "model": source,
                          "smoothed": bool(calibration.smoothing)}
@@ -165,15 +164,16 @@ def annotate(folder: str, calibration, notes: list[str], source, work) -> None:
         json.dump(cfg, f, indent=2, sort_keys=True)
 
 
-def _written(name: str, disk: str, ambiguous: bool) -> str:
+def _written(name: str, disk: str, ambiguous: bool) -> list[str]:
     """How the config names the layer the model calls ``name`` and its checkpoint ``disk``:
     where the two differ (transformers renames it as it loads: GPT-NeoX's ``embed_out`` is
-    its ``lm_head``), one regex for both, as vLLM matches the checkpoint's names and
-    transformers' compressed-tensors loader the model's; else the name, or (``ambiguous``: a
-    regex after ``re:``, a class name such as ``Embedding``) the regex of it alone."""
-    if disk != name:
-        return f"re:(?:{re.escape(disk)}|{re.escape(name)})$"
-    return "re:" + re.escape(name) + "$" if ambiguous else name
+    its ``lm_head``), both names, as vLLM reads the checkpoint's (through its own prefix map
+    for the model, which passes ``re:`` patterns over) and transformers' compressed-tensors
+    loader the model's; else the name, or (``ambiguous``: a regex after ``re:``, a class
+    name such as ``Embedding``) the regex of it alone."""
+    if ambiguous:
+        return ["re:" + re.escape(n) + "$" for n in dict.fromkeys((disk, name))]
+    return list(dict.fromkeys((disk, name)))
 
 
 def _complete_ignore(config, work: nn.Module) -> None:
