@@ -96,7 +96,9 @@ def test_fuse_false_says_how_to_turn_fusion_off(tmp_path, value):
 @pytest.mark.parametrize(("text", "field"), [
     ('rules:\n  - targets: ["re:(.|.)*z"]\n    weight: {spec: {format: int8}}\n',
      "rules[0].targets"),
-    (f'ignore: ["re:(a+)+$"]\n{_RULES}', "ignore")])
+    (f'ignore: ["re:(a+)+$"]\n{_RULES}', "ignore"),
+    (f'split: ["re:(.|.)*z"]\n{_RULES}', "split"),
+    (f'fuse: [[q_proj, "re:(a|a)*b"]]\n{_RULES}', "fuse[0]")])
 def test_a_pattern_that_can_backtrack_for_hours_is_refused(tmp_path, text, field):
     # accepted: matching re:(.|.)*z took 10 s against a 26-character module name, doubling
     # with each more; a saved calibration and a checkpoint's config refuse it already

@@ -156,7 +156,9 @@ def check_patterns(recipe: Recipe, path, bad) -> None:
     else may have written (a saved calibration, a recipe file) that could backtrack for hours
     at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a recipe built in Python is
     the author's own, and not checked so."""
-    fields = [(f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)]
+    fields = [*((f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)),
+              *((f"recipe.fuse[{i}]", group) for i, group in enumerate(recipe.fuse)),
+              ("recipe.split", recipe.split)]
     for field, values in [*fields, ("recipe.ignore", recipe.ignore)]:
         for p in values:
             why = pattern_refusal(p)
