@@ -60,11 +60,13 @@ def test_edited_global_scales_are_flagged(tmp_path, capsys):
     assert "model.layers.0.mlp.up_proj=9.25" in out
 
 
-def test_cross_attention_fuses_keys_and_values_only(tmp_path):
-    # Whisper / BART: the decoder's encoder_attn queries read the decoder's states, its keys
-    # and values the encoder's output (calibrate fuses only those; vLLM keeps q_proj apart
-    # beside kv_proj): check called quantscope's own export inconsistent
-    cross = "model.decoder.layers.0.encoder_attn.{}"
+@pytest.mark.parametrize("attention", ["encoder_attn", "cross_attn", "cross_attention"])
+def test_cross_attention_fuses_keys_and_values_only(tmp_path, attention):
+    # Whisper / BART (encoder_attn), T5Gemma (cross_attn), SeamlessM4T (cross_attention):
+    # the decoder's queries read the decoder's states, its keys and values the encoder's
+    # output (calibrate fuses only those; vLLM keeps q_proj apart beside kv_proj): check
+    # called quantscope's own export inconsistent
+    cross = f"model.decoder.layers.0.{attention}.{{}}"
     t = {}
     for shard, scale in (("q_proj", 3.0), ("k_proj", 5.0), ("v_proj", 5.0)):
         t[cross.format(shard) + ".weight"] = torch.zeros(8, 8, dtype=torch.int8)
@@ -74,7 +76,7 @@ def test_cross_attention_fuses_keys_and_values_only(tmp_path):
     t[cross.format("v_proj") + ".input_scale"] = torch.tensor([6.0])
     problems = check(write(tmp_path / "bad", t, fmt="int-quantized"))
     assert [(p["group"], p["tensor"]) for p in problems] == [
-        ("model.decoder.layers.0.encoder_attn.kv_proj", "input_scale")]
+        (f"model.decoder.layers.0.{attention}.kv_proj", "input_scale")]
 
 
 def test_shards_of_different_schemes_are_flagged(tmp_path, capsys):

@@ -59,10 +59,12 @@ FUSED: dict[str, tuple[str, ...]] = {
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
 
-#: cross-attention modules (transformers' name for the decoder's attention over the encoder's
-#: output: Whisper, BART): vLLM fuses their keys and values only, as its queries read the
-#: decoder's states (whisper.py's q_proj beside kv_proj)
-CROSS_ATTENTION, CROSS_FUSED = ("encoder_attn",), {"kv_proj": ("k_proj", "v_proj")}
+#: cross-attention modules (transformers' names for a decoder's attention over the encoder's
+#: output: Whisper's and BART's encoder_attn, T5Gemma's and Mllama's cross_attn,
+#: SeamlessM4T's cross_attention): vLLM fuses their keys and values only, as its queries
+#: read the decoder's states (whisper.py's q_proj beside kv_proj)
+CROSS_ATTENTION = ("encoder_attn", "cross_attn", "cross_attention")
+CROSS_FUSED = {"kv_proj": ("k_proj", "v_proj")}
 
 #: input scales a fused MoE layer holds once for all its experts (per w13, per w2)
 EXPERT_SHARED = ("input_scale", "input_global_scale")
