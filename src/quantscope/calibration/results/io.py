@@ -152,10 +152,10 @@ def load(path, device="cpu") -> Calibration:
 
 
 def check_patterns(recipe: Recipe, path, bad) -> None:
-    """Refuse (``bad(path, field, why)``) a ``re:`` target or ignore entry of a file someone
-    else may have written (a saved calibration, a recipe file) that could backtrack for hours
-    at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a recipe built in Python is
-    the author's own, and not checked so."""
+    """Refuse (``bad(path, field, why)``) a ``re:`` target, ignore, fuse or split entry of a
+    file someone else may have written (a saved calibration, a recipe file) that could
+    backtrack for hours at ``apply()`` (:func:`~quantscope._checks.regex_problem`); a recipe
+    built in Python is the author's own, and not checked so."""
     fields = [*((f"recipe.rules[{i}].targets", r.targets) for i, r in enumerate(recipe.rules)),
               *((f"recipe.fuse[{i}]", group) for i, group in enumerate(recipe.fuse)),
               ("recipe.split", recipe.split)]
