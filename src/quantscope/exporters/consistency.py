@@ -65,6 +65,8 @@ FUSED: dict[str, tuple[str, ...]] = {
 #: read the decoder's states (whisper.py's q_proj beside kv_proj)
 CROSS_ATTENTION = ("encoder_attn", "cross_attn", "cross_attention")
 CROSS_FUSED = {"kv_proj": ("k_proj", "v_proj")}
+#: every fused layer's shards, in the runtime's order
+_SHARDS = {**FUSED, **CROSS_FUSED}
 
 #: input scales a fused MoE layer holds once for all its experts (per w13, per w2)
 EXPERT_SHARED = ("input_scale", "input_global_scale")
@@ -232,7 +234,7 @@ def _fused(entries):
     """``(fused layer, its shard layers in the runtime's order, those quantized)`` of every
     fused layer of the checkpoint (:func:`_fused_groups`), by name."""
     for (parent, fused), shards in sorted(_fused_groups(entries).items()):
-        every = [shards[s] for s in {**FUSED, **CROSS_FUSED}[fused] if s in shards]
+        every = [shards[s] for s in _SHARDS[fused] if s in shards]
         yield (f"{parent}.{fused}" if parent else fused, every,
                [layer for layer in every if quantized(entries, layer)])
 

@@ -479,7 +479,7 @@ def sensitivity(model: nn.Module, batches, recipe="w8a8", *, calibration: Calibr
                          f"{' and '.join(unused)} (how `recipe` is calibrated without it) "
                          f"would be ignored; give one or the other")
     batches = length_checked(batches, who="sensitivity")
-    check_placement(model, "sensitivity")  # first: a TypeError where model is no module
+    check_placement(model, "sensitivity")  # the model's first: a TypeError where it is no module
     refuse_compiled(model, "sensitivity")
     refuse_applied(model, "sensitivity")
     batches = list(batches)  # a generator: read by the calibration, then by the measure
