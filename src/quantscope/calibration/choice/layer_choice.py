@@ -32,7 +32,14 @@ from ...estimators.weighted import imatrix_qparams
 from ...layout import Tile
 from ..results.apply import qdq_tensor
 from ..results.result import RoleState
-from ..run.batches import eval_mode, forward_batch, keyword_batch, map_tensors, tensors_in
+from ..run.batches import (
+    eval_mode,
+    forward_batch,
+    keyword_batch,
+    keywords_of,
+    map_tensors,
+    tensors_in,
+)
 from ..run.gather import gather_parts
 from ..structure.conv1d import is_conv1d, linear_output, transposed_layout
 from .loss_checks import batch_error, batch_name, finite, loss_error, none_left_error, scalar
@@ -226,6 +233,7 @@ def _loss_of(model, batch, loss, k):
     if not keyword_batch(batch):
         raise ValueError(f"{_FISHER}: {default} needs dict batches, got a "
                          f"{type(batch).__name__} as batch {k} (counting from 0){fix}")
+    batch = keywords_of(batch)  # (``in`` and ``get`` on what only has ``keys()`` and ``[]``)
     if "labels" not in batch and "input_ids" not in batch:
         raise ValueError(f"{_FISHER}: {default} needs 'labels' or 'input_ids' in the batch; "
                          f"batch {k} (counting from 0) has {sorted(map(str, batch.keys()))}"

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ..run.batches import keyword_batch, sized_like, tensors_in
+from ..run.batches import keyword_batch, keywords_of, sized_like, tensors_in
 
 __all__ = ["FIRST_PIECE", "mask_of", "no_batches_error", "no_token_error", "piece_names",
            "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "scoring_prefix",
@@ -27,7 +27,7 @@ FIRST_PIECE = 0.25
 def mask_of(batch):
     """A dict batch's ``attention_mask``, None for another batch or none."""
     if keyword_batch(batch):
-        return batch.get("attention_mask")
+        return keywords_of(batch).get("attention_mask")
     return None
 
 
@@ -37,7 +37,7 @@ def _counted(b):
     if (mask := mask_of(b)) is not None:
         return mask, True
     if keyword_batch(b):  # (without a mask, every id is real)
-        t = b.get("input_ids")
+        t = keywords_of(b).get("input_ids")
         return (t if isinstance(t, torch.Tensor) else next(tensors_in(b), None)), False
     return (b[0] if isinstance(b, (tuple, list)) and b else b), False
 
@@ -53,7 +53,7 @@ def take_rows(batch, start: int, stop: int):
     """Rows ``start:stop`` of a dict batch (every tensor whose first dimension is the rows)."""
     n = rows_of(batch)
     return {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n
-                else v) for k, v in batch.items()}
+                else v) for k, v in keywords_of(batch).items()}
 
 
 def tokens_of(b, per_row: bool = False):

@@ -17,8 +17,8 @@ from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
 __all__ = ["batch_arguments", "check_batches", "eval_mode", "forward_batch", "input_name",
-           "is_kv_cache", "keyword_batch", "length_checked", "map_tensors", "module_input",
-           "nan_parameter", "peek", "sized_like", "tensors_in"]
+           "is_kv_cache", "keyword_batch", "keywords_of", "length_checked", "map_tensors",
+           "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -51,11 +51,17 @@ def keyword_batch(batch) -> bool:
     return isinstance(batch, dict) or hasattr(batch, "keys")
 
 
+def keywords_of(batch) -> dict:
+    """A keyword batch (:func:`keyword_batch`) as the dict ``**`` makes of it: a dict itself,
+    else its ``keys()`` read (an object with ``keys()`` and ``[]`` only has no ``get``)."""
+    return batch if isinstance(batch, dict) else {k: batch[k] for k in batch.keys()}  # noqa: SIM118
+
+
 def batch_arguments(batch) -> list[tuple[str, object]]:
     """``(name, value)`` of each argument :func:`forward_batch` passes: a keyword batch's
     keys, a tuple's or list's ``argument i``, a lone input's ``input``."""
     if keyword_batch(batch):
-        return [(k, batch[k]) for k in batch.keys()]  # noqa: SIM118 (what ** reads)
+        return list(keywords_of(batch).items())
     if isinstance(batch, (tuple, list)):
         return [(f"argument {i}", v) for i, v in enumerate(batch)]
     return [("input", batch)]
