@@ -8,7 +8,8 @@ import inspect
 import itertools
 import operator
 import sys
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -88,29 +89,38 @@ def _fresh_caches(batch):
     return _fresh(batch, keyword_batch(batch))
 
 
-def _fresh(value, keywords: bool = False):
+def _fresh(value, keywords: bool = False, path: frozenset = frozenset()):
     """``value`` with its KV caches copied, at any depth (``keywords``: read as a mapping, as
-    ``**`` reads a batch; any Mapping inside); ``value`` itself where it holds none, else a
-    copy of its type (a ``BatchEncoding`` stays one)."""
-    if isinstance(value, _LEAVES) or value is None:
+    ``**`` reads a batch; any Mapping inside); ``value`` itself where it holds none (a
+    container holding itself is not walked again: ``path``, the ids above), else a copy: of
+    its type for a tuple, list or :func:`_mapping_like`'s mappings."""
+    if isinstance(value, _LEAVES) or value is None or id(value) in path:
         return value
     if is_kv_cache(value):
         return _copy_cache(value)
+    path |= {id(value)}
     if keywords or isinstance(value, Mapping):
-        new = {k: _fresh(value[k]) for k in value.keys()}  # noqa: SIM118 (what ** reads)
-        if all(new[k] is value[k] for k in new):
-            return value
-        if type(value) is dict or not isinstance(value, MutableMapping):
-            return new
-        out = copy.copy(value)  # (its other attributes kept, as map_tensors keeps them)
-        out.update(new)
-        return out
+        new = {k: _fresh(value[k], path=path) for k in value.keys()}  # noqa: SIM118 (as **)
+        return value if all(new[k] is value[k] for k in new) else _mapping_like(value, new)
     if not isinstance(value, (tuple, list)):
         return value
-    new = [v if isinstance(v, _LEAVES) else _fresh(v) for v in value]  # (a long list of ids)
+    new = [v if isinstance(v, _LEAVES) else _fresh(v, path=path) for v in value]  # (long ids)
     if all(map(operator.is_, new, value)):
         return value
     return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
+
+
+def _mapping_like(value: Mapping, items: dict) -> dict:
+    """``items`` in a mapping of ``value``'s type where its copy has storage of its own: a
+    dict's or a ``UserDict``'s (a ``BatchEncoding``; a ``ModelOutput``), its other attributes
+    kept; else a plain dict (another mapping's shallow copy may share the user's storage,
+    which the new items would overwrite)."""
+    if type(value) is dict or not isinstance(value, (dict, UserDict)):
+        return items
+    out = copy.copy(value)
+    for k, v in items.items():  # (not update(): a ModelOutput refuses it)
+        out[k] = v
+    return out
 
 
 def _copy_cache(cache):
@@ -275,20 +285,17 @@ def tensors_in(value):
 
 def map_tensors(fn, value):
     """``value`` with ``fn`` applied to each of its tensors, the nesting kept (a namedtuple
-    and a mapping that is no dict, a tokenizer's ``BatchEncoding``, keep their type)."""
+    and a ``UserDict``, a tokenizer's ``BatchEncoding``, keep their type; another mapping
+    becomes a dict)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: by position
         return type(value)(*(map_tensors(fn, v) for v in value))
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, MutableMapping):  # its own copy, its other attributes kept
-        out = copy.copy(value)
-        for k, v in value.items():
-            out[k] = map_tensors(fn, v)
-        return out
+    if isinstance(value, Mapping):  # a dict subclass as a dict (what a spill file can hold)
+        items = {k: map_tensors(fn, v) for k, v in value.items()}
+        return items if isinstance(value, dict) else _mapping_like(value, items)
     return value
 
 
