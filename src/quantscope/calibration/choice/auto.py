@@ -453,7 +453,7 @@ def _decide(model, score: OutputDivergence, recipe: Recipe, label, configs: dict
                     "pieces_scored": {k: p for k, (_, p) in scores.items()},
                     "score_pieces": score.counts().kept,  # (every rank's, where they differ)
                     "score_tokens": score.counts().tokens,
-                    "score_forwards": score.forwards}
+                    "score_forwards": score.forwards}  # (this rank's, as its seconds)
     stats = [_requested(row, (row["layer"], row["role"]) in asked)
              for n, c in configs.items() for row in c.stats if supplier.get(
                  row["role"], chosen) is c]
