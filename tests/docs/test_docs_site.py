@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import re
@@ -82,6 +83,8 @@ def test_the_site_builds_and_renders_every_public_name(tmp_path):
     for page in PAGES:
         html = (site / "reference" / page / "index.html").read_text()
         ids |= set(re.findall(r'id="(quantscope\.[\w.]+)"', html))
+        # the docstrings' Sphinx roles rendered as code (docs/sphinx_roles.py), not as typed
+        assert not re.findall(r":\w+:<code>[^<]*", html), page
     missing = []
     for m, name, obj in _public():
         if isinstance(obj, (types.ModuleType, enum.Enum)):
@@ -114,3 +117,12 @@ def test_the_preset_table_lists_every_preset():
     table = text[text.index("| preset | weights | input activations |"):]
     table = table[:table.index("\n\n")]
     assert sorted(re.findall(r"^\| `([\w-]+)` \|", table, re.MULTILINE)) == sorted(RECIPES)
+
+
+def test_sphinx_roles_become_the_code_sphinx_shows():
+    spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "sphinx_roles.py")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    assert roles.plain("see :func:`~quantscope.calibration.calibrate` and :class:`.Spec`, "
+                       ":py:meth:`the method <a.B.c>`, :data:`FORMATS`; ``x``") == (
+        "see `calibrate` and `Spec`, `the method`, `FORMATS`; ``x``")
