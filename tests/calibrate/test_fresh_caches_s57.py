@@ -92,3 +92,21 @@ def test_map_tensors_never_writes_into_the_users_mapping():
     enc = transformers.BatchEncoding({"x": torch.ones(2)})
     got = map_tensors(torch.zeros_like, enc)
     assert type(got) is transformers.BatchEncoding and torch.equal(enc["x"], torch.ones(2))
+
+
+def test_a_keys_only_batch_gets_a_copy_of_its_cache():
+    # s57 mutants: what has keys() and [] but is no Mapping is read as ** reads it
+    class KeysOnly:
+        def __init__(self, **items):
+            self.items = items
+
+        def keys(self):
+            return self.items.keys()
+
+        def __getitem__(self, k):
+            return self.items[k]
+
+    batch = _batch(KeysOnly)
+    cache = batch["past_key_values"]
+    assert [forward_batch(_fills, batch) for _ in range(2)] == [0, 0]
+    assert cache.get_seq_length() == 0

@@ -12,7 +12,7 @@ from tiny_models import llama
 import quantscope
 from quantscope.calibration import Auto
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -57,3 +57,13 @@ def test_keys_only_batches_score_as_their_dicts(metric):
     assert a.keys() == b.keys()
     for k, (obs, scale) in a.items():
         assert b[k][0] == obs and torch.equal(b[k][1], scale), k
+
+
+def test_the_attention_mask_counts_the_tokens_of_every_keyword_batch():
+    # s57 mutants: a BatchEncoding's mask was read only through keyword_batch's rule
+    from quantscope.calibration.choice.score_set import tokens_of
+
+    batch = _batches()[0]  # 4 rows of 10, row 1 padded after 7
+    for wrap in (dict, KeysOnly, transformers.BatchEncoding):
+        assert tokens_of(wrap(batch)) == 37, wrap
+        assert tokens_of(wrap(batch), per_row=True) == [10, 7, 10, 10], wrap

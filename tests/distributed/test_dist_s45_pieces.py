@@ -99,6 +99,26 @@ def _nan_on_one_rank(r, out):
                                   observer="static_minmax")
 
 
+def _imatrix_fails(r):
+    """s57 mutants: the imatrix_mse weights' search fails on rank 1 alone: rank 0 must raise
+    rank 1's own error (its type and text), as a planning error does."""
+    from quantscope.calibration.run import imatrix_roles
+
+    def refuse(slots, means):
+        raise ValueError("the imatrix search refuses this weight")
+    saved = imatrix_roles.observe_waiting
+    if r == 1:
+        imatrix_roles.observe_waiting = refuse
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                                    torch.nn.Linear(128, 128))
+        x = torch.randn(4, 128, generator=torch.Generator().manual_seed(r))
+        return _auto(model, [x], "w4a16", observer="imatrix_mse")
+    finally:
+        imatrix_roles.observe_waiting = saved
+
+
 def _llama_scenarios(r, out):
     model, _ = tiny_models.llama()
     mine = [_docs(), _docs()]
@@ -114,6 +134,7 @@ def _llama_scenarios(r, out):
 def _scenarios(r, out):
     warnings.simplefilter("ignore")  # (the fallback warnings of a rank's empty roles)
     _nan_on_one_rank(r, out)
+    out["imatrix fails"] = _imatrix_fails(r)
     _llama_scenarios(r, out)
 
 
@@ -160,6 +181,12 @@ def test_a_planning_error_on_one_rank_is_its_error_on_every_rank(ranks):
     errs = _agreed(ranks, "planning fails")
     assert errs[1].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), errs
     assert errs[0] == errs[1] + " (planning failed on rank(s) [1])", errs
+
+
+def test_an_imatrix_weight_error_on_one_rank_is_its_error_on_every_rank(ranks):
+    errs = _agreed(ranks, "imatrix fails")
+    assert errs[1] == "ValueError: the imatrix search refuses this weight", errs
+    assert errs[0] == errs[1] + " (imatrix_mse weights failed on rank(s) [1])", errs
 
 
 def test_a_rank_with_no_real_token_or_no_batch_scores_with_no_piece(ranks):

@@ -77,6 +77,7 @@ def test_cross_attention_fuses_keys_and_values_only(tmp_path, attention):
     problems = check(write(tmp_path / "bad", t, fmt="int-quantized"))
     assert [(p["group"], p["tensor"]) for p in problems] == [
         (f"model.decoder.layers.0.{attention}.kv_proj", "input_scale")]
+    assert problems[0]["layers"] == [cross.format("k_proj"), cross.format("v_proj")]  # vLLM's
 
 
 def test_shards_of_different_schemes_are_flagged(tmp_path, capsys):

@@ -555,6 +555,9 @@ def test_fp8_tiles_with_a_partial_last_tile_load_in_transformers(llama, tmp_path
     ({"max_shard_size": -5}, ValueError, "got -5"),  # (one shard per tensor, written)
     ({"max_shard_size": "0GB"}, ValueError, "got '0GB'"),
     ({"max_shard_size": True}, ValueError, "got True"),
+    ({"max_shard_size": 0.5}, ValueError, "got 0.5"),  # (s57 mutants: below one byte)
+    ({"max_shard_size": "infGB"}, ValueError, "got 'infGB'"),  # (not a bare OverflowError)
+    ({"max_shard_size": "nanGB"}, ValueError, "got 'nanGB'"),
     ({"model_path": 5}, TypeError, "model_path must be the source model's folder"),
 ])
 def test_shard_size_and_model_path_are_checked_with_the_other_arguments(bert, tmp_path,

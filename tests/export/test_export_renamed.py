@@ -101,3 +101,13 @@ def test_a_renamed_layer_left_in_float_loads_in_float_in_transformers(tmp_path, 
     assert not info["missing_keys"]  # (lm_head's scales were, filled at random)
     with torch.inference_mode():
         assert torch.equal(loaded.eval()(**batch).logits, want)
+
+
+def test_a_renamed_layer_with_an_ambiguous_name_is_written_as_both_regexes():
+    # s57 mutants: a model name that reads as a class name (or a "re:" pattern) is written as
+    # regexes; both names, or transformers' loader (the model's name) misses the layer
+    from quantscope.exporters.ct_compress import _written
+
+    assert _written("Embedding", "embed_out", True) == ["re:embed_out$", "re:Embedding$"]
+    assert _written("Embedding", "Embedding", True) == ["re:Embedding$"]
+    assert _written("lm_head", "embed_out", False) == ["embed_out", "lm_head"]

@@ -180,11 +180,28 @@ def test_an_observed_state_with_an_emptied_statistic_is_a_value_error(name, key)
         get_observer(name, QuantSpec("int8")).load_state_dict(saved)
 
 
+def test_an_averaging_window_emptied_beside_its_other_end_is_a_value_error():
+    # s57 mutants: the EMA mode's window (window_lo, window_hi) is one group: with window_lo
+    # alone emptied, the load went on and the next interval's scale was 0.0109, not 0.0802
+    def observer():
+        return get_observer("histogram", QuantSpec("int8"), averaging_constant=0.1,
+                            update_interval=4)
+    obs, g = observer(), torch.Generator().manual_seed(0)
+    obs(torch.randn(8, 8, generator=g) * 3)
+    obs(torch.randn(8, 8, generator=g))
+    saved = _state(obs)
+    assert saved["window_lo"].numel() and saved["window_hi"].numel()
+    saved["window_lo"] = saved["window_lo"][:0]
+    with pytest.raises(ValueError, match=r"cannot load a state whose window_lo has 0 units"):
+        observer().load_state_dict(saved)
+
+
 @pytest.mark.parametrize(("key", "edit", "said"), [
     ("hist_exp", lambda t: t[None], r"hist_exp has shape \[1, 1\]: it holds 1 dimension"),
     ("hist_counts", lambda t: t[:, None], r"hist_counts has shape \[1, 1, \d+\]: it holds 2 "),
     ("observed_shape", lambda t: t[None], r"observed_shape \[\[8, 8\]\] is no tensor shape"),
     ("observed_shape", lambda t: -t - 1, r"observed_shape \[-9, -9\] is no tensor shape"),
+    ("observed_shape", lambda t: t + 0.5, r"observed_shape \[8.5, 8.5\] is no tensor shape"),
 ])
 def test_a_statistic_of_another_rank_is_a_value_error(key, edit, said):
     saved = _state(_observed("histogram", QuantSpec("int8"), _matrix()))
