@@ -197,22 +197,45 @@ def _split_problem(group: str, every: list[str], layers: list[str]) -> dict | No
 
 def split_problems(entries) -> list[dict]:
     """:func:`_split_problem` of every fused layer of the checkpoint (its tensors' ``entries``,
-    :func:`~.read_checks.safetensors_headers`)."""
+    :func:`~.read_checks.safetensors_headers`), then :func:`_expert_splits`."""
     return [p for group, every, layers in _fused(entries)
-            if (p := _split_problem(group, every, layers))]
+            if (p := _split_problem(group, every, layers))] + _expert_splits(entries)
+
+
+def _expert_slots(entries) -> dict[tuple[str, str], list[str]]:
+    """``(experts module, w13 / down shard) -> its experts' layers`` (float ones too)."""
+    slots: dict[tuple[str, str], set[str]] = {}
+    for name in entries:
+        slot = expert_slot(name.rpartition(".")[0])
+        if slot is not None:
+            slots.setdefault(slot, set()).add(name.rpartition(".")[0])
+    return {slot: sorted(layers) for slot, layers in sorted(slots.items())}
+
+
+def _expert_splits(entries) -> list[dict]:
+    """The experts modules whose experts are quantized in a slot but some (an ignore list's,
+    ``float``) not: the fused MoE layer runs one scheme for all its experts (transformers
+    loads the float experts' weights into the quantized layer's wrong, without a word)."""
+    return [{"group": module, "layers": layers, "tensor": "weight", "values": {},
+             "float": floats, "experts": slot}
+            for (module, slot), layers in _expert_slots(entries).items()
+            if 0 < len(floats := [x for x in layers if not quantized(entries, x)]) < len(layers)]
 
 
 def warn_fused_problems(folder) -> None:
     """One warning (the first fused layer and how many more) for :func:`split_problems` and
     one for :func:`block_problems` in ``folder``; the export writes the folder all the same
-    (transformers and compressed-tensors load it, vLLM does not)."""
+    (transformers and compressed-tensors load a fused layer's split, vLLM does not; an
+    experts module's, transformers loads wrong)."""
     _, _, qc = read_quant_config(folder, "export compressed-tensors")
     entries = safetensors_headers(folder, "export compressed-tensors")
     for found in (split_problems(entries), block_problems(qc, entries)):
         if found:
             more = f" (and {len(found) - 1} more fused layers)" if len(found) > 1 else ""
-            warnings.warn(f"export compressed-tensors: {format_problems(found[:1])}{more}; "
-                          f"transformers and compressed-tensors load it", stacklevel=3)
+            loads = "" if found[0].get("experts") else \
+                "; transformers and compressed-tensors load it"
+            warnings.warn(f"export compressed-tensors: {format_problems(found[:1])}{more}"
+                          f"{loads}", stacklevel=3)
 
 
 def _held_once(leaf: str, layers, entries, strategy) -> bool:
@@ -262,14 +285,8 @@ def _expert_problems(entries) -> list[dict]:
     """The experts modules whose experts disagree on an input scale the fused MoE layer
     holds once (:data:`EXPERT_SHARED`), one problem per module, slot and scale: some experts
     hold it and others not (``held_by``: their schemes differ), or its values differ."""
-    slots: dict[tuple[str, str], set[str]] = {}  # (module, w13 / down shard) -> its layers
-    for name in entries:
-        slot = expert_slot(name.rpartition(".")[0])
-        if slot is not None:
-            slots.setdefault(slot, set()).add(name.rpartition(".")[0])
     problems = []
-    for (module, slot), members in sorted(slots.items()):
-        layers = sorted(members)
+    for (module, slot), layers in _expert_slots(entries).items():
         for leaf in EXPERT_SHARED:
             held = [layer for layer in layers if f"{layer}.{leaf}" in entries]
             if held and len(held) < len(layers):  # static on some, dynamic / float on others
@@ -314,8 +331,9 @@ def check(path) -> list[dict]:
     disagree on an input scale the fused MoE layer holds once (``"held_by"`` where only some
     experts hold it), and ``{"group": ..., "layers": [shards], "tensor": "weight", "float":
     [layers]}`` for a fused layer whose shards are partly quantized (an ignore list that holds
-    some of them), and ``{"group": ..., "layers": [shards], "tensor": "scheme", "schemes":
-    {layer: config group}}`` for a fused layer whose shards are in config groups of different
+    some of them; with ``"experts"``: an experts module's slot whose experts are), and
+    ``{"group": ..., "layers": [shards], "tensor": "scheme", "schemes": {layer: config
+    group}}`` for a fused layer whose shards are in config groups of different
     schemes (the weights' or input activations' fields vLLM reads, :data:`~.serving.
     SCHEME_FIELDS`, or the format: vLLM serves the fused layer with the first shard's), and
     ``{"group": ..., "layers": [shards], "tensor": "weight", "block_rows": n, "rows": {layer:
@@ -370,7 +388,7 @@ def check(path) -> list[dict]:
             if len(set(vals.values())) > 1 and finite:
                 problems.append({"group": group, "layers": layers, "tensor": leaf,
                                  "values": vals})
-    return problems + _expert_problems(entries)
+    return problems + _expert_splits(entries) + _expert_problems(entries)
 
 
 def format_problems(problems: list[dict]) -> str:
@@ -395,6 +413,15 @@ def format_problems(problems: list[dict]) -> str:
                          f"schemes ({shards}): vLLM serves the fused layer with one scheme "
                          f"(the first shard's) and cannot load the others; put the shards in "
                          f"one config group")
+        elif p.get("float") and p.get("experts"):
+            cut = len(p["group"]) + 1  # the experts' layers, relative to their module
+            floats = [layer[cut:] for layer in p["float"]]
+            lines.append(f"{p['group']}: the experts' {p['experts']} weights are quantized in "
+                         f"{len(p['layers']) - len(floats)} experts but float in "
+                         f"{', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''}: the "
+                         f"fused MoE layer runs one scheme for all its experts (transformers "
+                         f"loads the float experts' weights wrong, without a word); quantize "
+                         f"every expert or none")
         elif p.get("float"):
             quantized = [layer for layer in p["layers"] if layer not in p["float"]]
             lines.append(f"{p['group']}: {', '.join(quantized)} quantized but "

@@ -1,0 +1,50 @@
+"""An experts module quantized for some experts only (probe s57): an ignore list that holds
+one expert's ``down_proj`` left the export quiet and ``quantscope check`` content, and
+transformers (whose experts are one 3-D layer of one scheme) loaded the float expert's slot
+with values that are not its weights (logits 0.67 off for fp8-dynamic, against 0.014 whole).
+Now the export warns and ``check`` reports it, as for a fused layer split the same way."""
+
+import warnings
+
+import pytest
+import torch
+
+from quantscope.calibration import calibrate, preset
+from quantscope.exporters import check
+from quantscope.exporters.consistency import format_problems
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from tiny_models import qwen3_moe
+
+torch.set_num_threads(1)
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def _export(tmp_path, ignore):
+    model, batches = qwen3_moe(layers=1)
+    calib = calibrate(model, batches, preset("fp8-dynamic", ignore=("lm_head", *ignore)),
+                      progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calib.export(model, tmp_path / "e")
+    return tmp_path / "e", [str(w.message) for w in caught if "experts'" in str(w.message)]
+
+
+def test_an_expert_left_float_beside_quantized_ones_warns_and_is_reported(tmp_path):
+    folder, warned = _export(tmp_path, (r"re:.*experts\.3\.down_proj$",))
+    (problem,) = [p for p in check(folder) if p.get("float")]
+    assert problem["group"] == EXPERTS and problem["experts"] == "down_proj"
+    assert problem["float"] == [f"{EXPERTS}.3.down_proj"]
+    assert problem["layers"] == [f"{EXPERTS}.{e}.down_proj" for e in range(4)]
+    line = format_problems([problem])
+    assert line.startswith(f"{EXPERTS}: the experts' down_proj weights are quantized in 3 "
+                           f"experts but float in 3.down_proj: the fused MoE layer runs one ")
+    assert warned == [f"export compressed-tensors: {line}"]
+
+
+def test_experts_all_float_or_all_quantized_are_quiet(tmp_path):
+    folder, warned = _export(tmp_path, (r"re:.*experts\.\d+\.down_proj$",))
+    assert not warned and not [p for p in check(folder) if p.get("float")]
