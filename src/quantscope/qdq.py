@@ -304,9 +304,11 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, spec: QuantSpec, *,
     With ``ste=True`` the result carries a straight-through gradient for
     quantization-aware training: ``d out / d x`` is 1 where ``x`` lies inside the
     quantizer's range and 0 where it was clipped (:func:`inside_range`). For integers that
-    is ``torch.ao``'s FakeQuantize rule on quantscope's own rounding, which divides by the
-    scale where torch.ao multiplies by its reciprocal (so where ``x / scale`` lands on a
-    rounding tie the two masks can differ at the range's ends). No gradient flows to the
+    is ``torch.ao``'s FakeQuantize rule on quantscope's own rounding, ``round(x / scale +
+    zero_point)`` (compressed-tensors'), where torch.ao rounds ``x * (1 / scale)`` and adds
+    the zero point after: where that lands on a rounding tie (a reciprocal's rounding, or an
+    odd zero point: ``0.5`` with zero point 1 is code 2 here, 1 there) the values, and at the
+    range's ends the masks, can differ. No gradient flows to the
     qparams: they are constants, as torch's ``fake_quantize_per_tensor_affine`` takes them.
     ``check``: raise ``ValueError`` on qparams that cannot run, as :func:`quantize`; NaN in
     ``x`` stays NaN (documented QDQ behaviour: it has values, not codes, to give).
