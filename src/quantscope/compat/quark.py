@@ -159,10 +159,10 @@ from .quark_base import (
 from .quark_block import PerBlockBFPObserver, PerBlockMXObserver
 from .quark_histogram import (
     PerTensorHistogramObserver,
-    PerTensorHistogramObserverPro,
     PerTensorMSEObserver,
     PerTensorPercentileObserver,
 )
+from .quark_pro import PerTensorHistogramObserverPro
 
 __all__ = [
     "FP8_E5M3",
