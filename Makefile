@@ -37,7 +37,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_modelopt_compat.py tests/compat/test_modelopt_probe_s22.py \
 	tests/compat/test_modelopt_s33.py tests/compat/test_modelopt_flows_s34.py \
 	tests/compat/test_modelopt_pins_s35.py tests/compat/test_compat_compile_s35.py \
-	tests/compat/test_modelopt_s36.py \
+	tests/compat/test_modelopt_s36.py tests/compat/test_compat_probe_s57.py \
 	tests/compat/test_modelopt_peers_s38.py tests/compat/test_modelopt_forward_s47.py \
 	tests/compat/test_modelopt_grid_floats.py \
 	tests/compat/test_quark_s39.py \

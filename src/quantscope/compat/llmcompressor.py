@@ -74,6 +74,10 @@ Where the results differ from llm-compressor's, by choice:
 * integer tensors under the MSE searches: llm-compressor casts each fake-quantized
   candidate back to the integer dtype (truncating) before pricing it; quantscope prices
   the float32 fake-quantized values, so the chosen range can differ.
+* integer and bool tensors are observed as their float32 values: compressed-tensors takes
+  ``max - min`` in an integer dtype (an int8 range of 128 wraps to a negative scale) and
+  refuses a bool one (``abs`` / subtraction not implemented), and its ``tensor_group`` rule
+  reads ``finfo`` of the dtype (``TypeError``); quantscope's scales are those of the values.
 """
 
 from __future__ import annotations

@@ -432,7 +432,8 @@ def _local_qparams(min_vals: torch.Tensor, max_vals: torch.Tensor, spec: QuantSp
     if min_vals.dtype in HALF_SCALES and not spec.symmetric and not spec.scale.is_block:
         return half_qparams(min_vals.reshape(-1), max_vals.reshape(-1), spec, eps=False)
     lo, hi = min_vals.float().reshape(-1), max_vals.float().reshape(-1)
-    qp = qparams_from_range(lo, hi, spec, global_amax=global_amax)
+    qp = qparams_from_range(lo, hi, spec, global_amax=global_amax,
+                            check_finite=not lo.is_meta)  # (meta: shapes, as theirs)
     return qp.scale, qp.zero_point
 
 

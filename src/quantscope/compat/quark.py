@@ -115,7 +115,9 @@ MSE search's float64 error can take a candidate Quark's float32 mean orders with
 rounding behind another; Quark's percentile observer skips zeros, and an all-zero *first*
 batch starts no grid in quantscope's (the first batch with data does) where Quark's starts
 one at ``[0, 4200 eps]`` and grows it in steps of that width (asymmetric: it fails on the
-next batch); BFP16's scale is Quark's (``quark_scales.quark_bfp16_scale``) but never subnormal or
+next batch), and so for an empty first batch of the percentile and MSE observers (before
+data their qparams are then Quark's, of that grid with no count); BFP16's scale is Quark's
+(``quark_scales.quark_bfp16_scale``) but never subnormal or
 infinite (the native one there), its ``amax`` the block absmax (Quark's doubles it on each
 overflowing call), and where one amax has a single row / block Quark's broadcasts it over a
 batch's, a state quantscope's refuses (:class:`StateShapeError`); dtype ``int32`` raises
@@ -125,7 +127,8 @@ an all-zero tensor with ``scale_format`` e4m3 (NVFP4's two levels) gets the nati
 Quark's divides by its zero global amax and returns NaN scales; ``calculate_qparams(min_val,
 max_val)`` with ``min_val > max_val`` raises quantscope's ``ValueError`` message as
 :class:`InvertedRangeError`, also an ``AssertionError`` and a ``RuntimeError`` (Quark's types
-on a 0-dim / wider range);
+on a 0-dim / wider range), and a ``ch_axis`` the batch has no dimension for
+:class:`AxisRangeError`, also an ``IndexError`` (Quark's ``x.shape[ch_axis]``);
 ``PerTensorHistogramObserverPro`` bins a bfloat16 / float16 batch as its float32 values (Quark's
 hands it to torch.ao, which bins it in that dtype and loses counts: quantscope's gives Quark's
 answer for the batch's float32 copy).
@@ -145,6 +148,7 @@ from ..observers.registry import register
 from . import field
 from .quark_base import (
     FP8_E5M3,
+    AxisRangeError,
     InvertedRangeError,
     QuarkAssertionError,
     QuarkObserver,
@@ -166,6 +170,7 @@ from .quark_pro import PerTensorHistogramObserverPro
 
 __all__ = [
     "FP8_E5M3",
+    "AxisRangeError",
     "InvertedRangeError",
     "PerBlockBFPObserver",
     "PerBlockMXObserver",

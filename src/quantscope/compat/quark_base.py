@@ -18,6 +18,7 @@ from . import SavesNoState, enum_name, field
 from .quark_scales import (
     _F32_EPS,
     FP8_E5M3,
+    AxisRangeError,
     InvertedRangeError,
     QuarkAssertionError,
     StateShapeError,
@@ -35,7 +36,8 @@ from .quark_scales import (
 )
 from .quark_spec import _CAST, _SCALE_DTYPES, quark_qmin_qmax, quark_spec
 
-__all__ = ["FP8_E5M3", "InvertedRangeError", "QuarkAssertionError", "QuarkObserver",
+__all__ = ["FP8_E5M3", "AxisRangeError", "InvertedRangeError", "QuarkAssertionError",
+           "QuarkObserver",
            "StateShapeError", "UnsupportedElementError", "UnsupportedInputError",
            "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
 
@@ -157,6 +159,17 @@ class QuarkObserver(SavesNoState):
         if self._quark_base == "uniform":
             return f"min_val={self.min_val}, max_val={self.max_val}"
         return f"dtype={self.dtype}" if self._quark_base is None else super().extra_repr()
+
+    #: its check_input (the batch's dims) runs once per shape in the cached CPU call too
+    _step_overrides = ("check_input",)
+
+    def check_input(self, x) -> bool:
+        axis = getattr(self.spec.layout, "axis", None)  # (per tensor: none)
+        if isinstance(x, torch.Tensor) and axis is not None and not -x.dim() <= axis < x.dim():
+            raise AxisRangeError(f"{self.describe()}: ch_axis={axis} is out of range for a "
+                                 f"tensor of shape {tuple(x.shape)} (Quark's class raises "
+                                 f"IndexError)")
+        return super().check_input(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         data = x

@@ -88,6 +88,12 @@ class _QuarkHistogram(QuarkObserver):
         self._priced: tuple[torch.Tensor, torch.Tensor] | None = None
         self._grids: list[_QuarkGrid] | None = None  # Quark's grid once a batch widened
         self._counts_dtype = torch.float32  # Quark's calib_hist: a batch's, or a later cast's
+        self._empty_only = False  # only empty batches so far (Quark's grid of zeros)
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor) and not x.numel() and not self.has_observed:
+            self._empty_only = True  # (the native observer passes an empty batch over)
+        return super().forward(x)
 
     def _observe(self, units, lo, hi):
         self._refuse_overflow()  # (before any change) Quark's histc fails on a cast's inf
@@ -154,7 +160,8 @@ class _QuarkHistogram(QuarkObserver):
     def _calculate_qparams(self):
         if not self.has_observed:
             self._check_fp4_scale_format()  # Quark's get_scale raises before data too
-            return super()._calculate_qparams()
+            return self._empty_grid_qparams() if self._empty_only else \
+                super()._calculate_qparams()
         # Quark's order: the estimate (MSE's search refuses its dtypes), then its pricing,
         # which refuses fp4 without scale_format and the dtypes of its integer formula
         qparams = super()._calculate_qparams()
@@ -164,6 +171,18 @@ class _QuarkHistogram(QuarkObserver):
         if self.spec.is_float:  # Quark's float rules on the range it priced (as min-max's)
             return self._calculate_float_qparams(*self._priced)
         return qparams
+
+    def _empty_grid_qparams(self):
+        """Quark's qparams after empty batches alone: it bins one as a batch of zeros (the
+        nudged grid ``[0, bins * eps]``) that adds no count, then searches and prices that
+        grid. (A batch with data after it widens Quark's grid from there in steps of its
+        width, millions of bins; the native grid here starts at the data.)"""
+        zero = torch.zeros(1, device=self.observed_tokens.device)
+        lo, hi = self._quark_ends(zero, zero)
+        edges = torch.linspace(float(lo), float(hi), self.bins + 1, device=zero.device)
+        found = self._search(torch.zeros(1, self.bins, device=zero.device), edges[None])
+        self._priced = self._quark_range(*found)
+        return self.calculate_qparams(*self._priced)
 
     def _observe_linear(self, units, lo, hi, *rest):
         if self.skip_zeros and not bool(self.hist_counts.any()) and bool(units.ne(0).any()):
@@ -213,6 +232,7 @@ class _QuarkHistogram(QuarkObserver):
         super().reset()
         self._priced = None
         self._grids = None
+        self._empty_only = False
 
     def _calib(self, which: int) -> torch.Tensor:
         if not self.has_observed:
@@ -274,7 +294,7 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
         return scale, zp
 
     def _zero_mass(self) -> bool:
-        return int(self.current_histogram().counts.sum()) <= 0
+        return not self.has_observed or int(self.current_histogram().counts.sum()) <= 0
 
     def _quark_range(self, lo, hi):
         if self._zero_mass():  # Quark returns zeros(1) before its branches

@@ -51,6 +51,12 @@ class StateShapeError(ValueError, RuntimeError):
     and a ``ValueError`` as quantscope's bad-input errors."""
 
 
+class AxisRangeError(ValueError, IndexError):
+    """A ``ch_axis`` the batch has no dimension for (a 1-D batch per channel along axis 1, a
+    0-dim one): an ``IndexError`` as Quark's (its ``x.shape[ch_axis]``), and a ``ValueError``
+    as quantscope's bad-input errors."""
+
+
 class InvertedRangeError(ValueError, AssertionError, RuntimeError):
     """``min_val > max_val`` given to ``calculate_qparams``: Quark asserts (``AssertionError``
     on a 0-dim range, ``RuntimeError`` from ``torch._assert_async`` on a wider one); a
