@@ -356,10 +356,15 @@ def pattern_refusal(target) -> str | None:
     (:func:`regex_problem`), as a message's tail naming it; None for one that may run."""
     if not (isinstance(target, str) and target.startswith("re:")):
         return None
+    named = f"{target[:80]!r}{' ...' if len(target) > 80 else ''}"
     why = regex_problem(target[3:])
-    return None if why is None else (f"{target[:80]!r}{' ...' if len(target) > 80 else ''} "
-                                     f"{why}; such a pattern can take hours to match a "
-                                     f"module name")
+    if why is not None:
+        return f"{named} {why}; such a pattern can take hours to match a module name"
+    try:  # (the matcher's re.error names neither the file nor the field)
+        re.compile(target[3:])
+    except (re.error, RecursionError, OverflowError) as e:
+        return f"{named} is not a regular expression ({e})"
+    return None
 
 
 def regex_problem(pattern: str) -> str | None:

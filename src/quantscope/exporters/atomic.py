@@ -122,12 +122,21 @@ def _holds_only(top: str, allowed) -> bool:
                for rel, is_dir in _entries(top))
 
 
-def _marker_data(folder: str) -> dict:
+def _json_of(path: str):
+    """The JSON in the regular file ``path`` of at most 64 MiB, else None: an output being
+    replaced may hold anything (a FIFO, a link to ``/dev/zero``, JSON nested too deep), and
+    what is not quantscope's own small file is not its output."""
+    if not os.path.isfile(path) or os.path.getsize(path) > 2**26:
+        return None
     try:
-        with open(os.path.join(folder, MARKER), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _marker_data(folder: str) -> dict:
+    data = _json_of(os.path.join(folder, MARKER))
     return data if isinstance(data, dict) else {}
 
 
@@ -180,13 +189,7 @@ def _record(path: str) -> None:
 
 
 def _json_has(path: str, key: str) -> bool:
-    if not os.path.isfile(path) or os.path.getsize(path) > 2**26:
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return False
+    data = _json_of(path)
     if key is None or not isinstance(data, dict):  # None: any object (a model's config.json)
         return isinstance(data, dict)
     if key == "format":

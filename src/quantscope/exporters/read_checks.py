@@ -224,6 +224,8 @@ def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int
     from their headers (a header that lies about its length or shape is refused)."""
     out = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
+        if not f.is_file():  # a FIFO would block the open, a folder fail it bare
+            raise ValueError(f"{who}: {f}: not a regular file (a safetensors file holds bytes)")
         with open(f, "rb") as fh:
             raw = fh.read(8)
             n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
