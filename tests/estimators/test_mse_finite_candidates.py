@@ -111,3 +111,21 @@ def test_kernel_search_reads_the_host_once(monkeypatch, spec, grid, reads, early
                             lambda *a, _n=name, _f=real, **k: seen.append(_n) or _f(*a, **k))
     mse_search(units, lo, hi, spec, early_stop=early_stop, backend="kernel", global_grid=grid)
     assert seen == ["__bool__"] * reads
+
+
+@pytest.mark.parametrize("name", ["memoryless_mse", "mse", "nvfp4_expanded_mse"])
+def test_nvfp4_global_amax_candidates_stay_finite(name):
+    # probe s57: an amax above float32's max / 2 ** (3 / 4) made the largest global-amax
+    # candidate inf; priced as float32's max (the global scale clamps it), it won and was kept
+    # as the observer's inf global amax (calculate_qparams raised; mse's average turned NaN)
+    import quantscope
+    from quantscope import presets
+
+    x = torch.zeros(2, 16)
+    x[0, 7], x[1, 4] = -2.673915244169735e38, -1.3671715670810673e37
+    obs = quantscope.get_observer(name, presets.NVFP4)
+    obs(x)
+    obs(x)
+    assert bool(torch.isfinite(obs.global_amax_val).all())
+    qp = obs.calculate_qparams()
+    assert bool(torch.isfinite(qp.scale).all() and torch.isfinite(qp.global_scale).all())

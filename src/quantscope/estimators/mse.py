@@ -377,7 +377,9 @@ def _global_amaxes(ga0, spec, encoding_aware, global_grid):
     if ga0 is None or (spec.scale.has_global_scale and not encoding_aware):
         return [None]
     g = 4 if global_grid is None else global_grid  # an integer >= 1 (_check_options)
-    return [ga0 * 2 ** (k / g) for k in range(g)]
+    # a candidate past float32's range is its largest amax: inf would be priced as that (the
+    # global scale clamps it) and then kept as the observer's inf global amax
+    return [(ga0 * 2 ** (k / g)).clamp(max=torch.finfo(torch.float32).max) for k in range(g)]
 
 
 def _lowest_total(results, gas):
