@@ -197,3 +197,23 @@ def test_a_module_cast_keeps_the_state_float32(cast):
     ref(b)
     assert torch.equal(lin.obs.max_vals, ref.max_vals)
     assert torch.equal(lin.obs.qparams().scale, ref.qparams().scale)
+
+
+@pytest.mark.parametrize("name", ["histogram", "percentile", "histogram_mse", "entropy", "mix",
+                                  "minmax", "mse", "memoryless_minmax"])
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), QuantSpec("int8", "channel:0")])
+def test_a_reset_observer_is_a_fresh_one_in_its_state(name, spec):
+    # probe s57: reset() emptied hist_counts as [0, 0] where a fresh observer holds [0]: its
+    # state_dict would not load into a fresh observer ("a histogram of 0 bins")
+    used, fresh = get_observer(name, spec), get_observer(name, spec)
+    used(torch.randn(8, 32))
+    used.reset()
+    a, b = used.state_dict(), fresh.state_dict()
+    assert a.keys() == b.keys()
+    assert all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+    other = get_observer(name, spec)
+    other.load_state_dict(a)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    other(x)
+    fresh(x)
+    assert torch.equal(other.calculate_qparams().scale, fresh.calculate_qparams().scale)

@@ -353,7 +353,7 @@ class Observer(nn.Module):
             if name in keep:
                 continue  # a constructor setting (e.g. imatrix importance), not observed state
             if name in self._sized_buffers() or name == "observed_shape":
-                setattr(self, name, buf.new_zeros((0,) * max(buf.dim(), 1)))
+                setattr(self, name, buf.new_zeros(0))  # a fresh observer's (hist_counts too)
             else:
                 buf.zero_()
         self._last_shape = None
