@@ -1,8 +1,10 @@
 """The EMA mode of the histogram observers (``averaging_constant``: Horizon's).
 
 Every ``update_interval`` batches the range of those batches is estimated on their
-histogram, ``range += c * (estimate - range)`` (the first estimate initialises), and the
-histogram starts anew. An interval's estimate is its own: the estimators' bounds (the clip,
+histogram, ``range = torch.lerp(range, estimate, c)`` (the first estimate initialises;
+lerp, not the min-max average's ``range + c * (estimate - range)``, which rounds at ``c = 1``:
+lerp gives the estimate exactly there), and the histogram starts anew. An interval's
+estimate is its own: the estimators' bounds (the clip,
 histogram MSE's and L2's scored range, mix's min / max candidate) are the interval's min /
 max, ``window_lo`` / ``window_hi``, not the running ``min_vals`` / ``max_vals`` of all the
 data (those stay, for the magnitude check and the sync), so ``c = 1`` gives the last
