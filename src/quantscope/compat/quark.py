@@ -115,8 +115,9 @@ MSE search's float64 error can take a candidate Quark's float32 mean orders with
 rounding behind another; Quark's percentile observer skips zeros, and an all-zero *first*
 batch starts no grid in quantscope's (the first batch with data does) where Quark's starts
 one at ``[0, 4200 eps]`` and grows it in steps of that width (asymmetric: it fails on the
-next batch), and so for an empty first batch of the percentile and MSE observers (before
-data their qparams are then Quark's, of that grid with no count); BFP16's scale is Quark's
+next batch); an empty first batch of the percentile and MSE observers starts no grid either
+(Quark's starts its grid of zeros; qparams read before any data are Quark's, of that grid
+with no count); BFP16's scale is Quark's
 (``quark_scales.quark_bfp16_scale``) but never subnormal or
 infinite (the native one there), its ``amax`` the block absmax (Quark's doubles it on each
 overflowing call), and where one amax has a single row / block Quark's broadcasts it over a

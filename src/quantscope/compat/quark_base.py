@@ -37,9 +37,9 @@ from .quark_scales import (
 from .quark_spec import _CAST, _SCALE_DTYPES, quark_qmin_qmax, quark_spec
 
 __all__ = ["FP8_E5M3", "AxisRangeError", "InvertedRangeError", "QuarkAssertionError",
-           "QuarkObserver",
-           "StateShapeError", "UnsupportedElementError", "UnsupportedInputError",
-           "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax", "quark_spec"]
+           "QuarkObserver", "StateShapeError", "UnsupportedElementError",
+           "UnsupportedInputError", "quark_e8m0_scale", "quark_float_scale", "quark_qmin_qmax",
+           "quark_spec"]
 
 
 class QuarkObserver(SavesNoState):

@@ -110,7 +110,7 @@ def _fresh(value, keywords: bool = False, path: frozenset = frozenset()):
     return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
 
 
-def _mapping_like(value: Mapping, items: dict) -> dict:
+def _mapping_like(value: Mapping, items: dict) -> Mapping:
     """``items`` in a mapping of ``value``'s type where its copy has storage of its own: a
     dict's or a ``UserDict``'s (a ``BatchEncoding``; a ``ModelOutput``), its other attributes
     kept; else a plain dict (another mapping's shallow copy may share the user's storage,
