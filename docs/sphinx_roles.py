@@ -10,13 +10,15 @@ import re
 import griffe
 
 _ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|data|mod|exc|obj|const)"
-                   r":`(?P<text>[^`<]+?)(?:\s*<[^`>]+>)?`")
+                   r":`(?P<text>[^`<]+?)(?P<target>\s*<[^`>]+>)?`")
 
 
 def plain(text: str) -> str:
     """``text`` with each Sphinx role as a Markdown code span."""
     def span(m: re.Match) -> str:
-        shown = m["text"].strip().lstrip(".")
+        shown = " ".join(m["text"].split())  # (a role wrapped across a docstring's lines)
+        if m["target"] is None:  # a target has no spaces: the line break's indent goes
+            shown = shown.replace(" ", "").lstrip(".")
         if shown.startswith("~"):
             shown = shown[1:].rpartition(".")[2]
         return f"`{shown}`"

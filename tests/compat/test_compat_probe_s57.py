@@ -57,6 +57,20 @@ def test_qparams_after_empty_batches_only_are_quarks(name, dtype, symmetric):
         ours._calculate_qparams()
 
 
+@pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_a_module_cast_after_empty_batches_casts_quarks_grid(name, dtype):
+    # re-review s57: Quark's empty batch made a grid, which .half() casts: its search and
+    # pricing then run in float16; the empty-only path priced float32 edges
+    theirs, ours = quark_twins(name, dtype=dtype, symmetric=True)
+    for obs in (theirs, ours):
+        _quiet(obs, torch.empty(0, 8))
+        obs.half()
+    want, got = _quiet(theirs._calculate_qparams), _quiet(ours._calculate_qparams)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (want, got)
+
+
 @pytest.mark.parametrize(("name", "kw", "x"), [
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 1}, torch.randn(8)),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}, torch.tensor(1.5)),

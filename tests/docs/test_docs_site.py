@@ -126,3 +126,7 @@ def test_sphinx_roles_become_the_code_sphinx_shows():
     assert roles.plain("see :func:`~quantscope.calibration.calibrate` and :class:`.Spec`, "
                        ":py:meth:`the method <a.B.c>`, :data:`FORMATS`; ``x``") == (
         "see `calibrate` and `Spec`, `the method`, `FORMATS`; ``x``")
+    # wrapped across a docstring's lines: the indent is no part of the name (a title keeps
+    # one space)
+    assert roles.plain(":data:`~.serving.\n    SCHEME_FIELDS`, :meth:`the\n    method <a.b>`") \
+        == "`SCHEME_FIELDS`, `the method`"

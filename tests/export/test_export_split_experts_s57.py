@@ -48,3 +48,14 @@ def test_an_expert_left_float_beside_quantized_ones_warns_and_is_reported(tmp_pa
 def test_experts_all_float_or_all_quantized_are_quiet(tmp_path):
     folder, warned = _export(tmp_path, (r"re:.*experts\.\d+\.down_proj$",))
     assert not warned and not [p for p in check(folder) if p.get("float")]
+
+
+def test_the_gate_up_slot_counts_experts_not_layers(tmp_path):
+    # re-review s57: w13 holds gate_proj and up_proj of each expert; the line counted both
+    # ("quantized in 6 experts" of 4)
+    folder, _ = _export(tmp_path, (r"re:.*experts\.3\.gate_up_proj$",))  # (calibrate's name)
+    (problem,) = [p for p in check(folder) if p.get("float")]
+    assert problem["experts"] == "w13"
+    assert problem["float"] == [f"{EXPERTS}.3.gate_proj", f"{EXPERTS}.3.up_proj"]
+    assert f"{EXPERTS}: the experts' w13 weights are quantized in 3 experts but float in " \
+           f"3.gate_proj, 3.up_proj:" in format_problems([problem])

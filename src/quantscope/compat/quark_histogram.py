@@ -122,7 +122,7 @@ class _QuarkHistogram(QuarkObserver):
         # Quark's cast converts its bin edges and counts only once a batch made them: the
         # first batch bins in new float32 ones (the eps buffer keeps the cast's dtype)
         super()._apply(fn, recurse)
-        if not self.has_observed:
+        if not (self.has_observed or self._empty_only):  # (Quark's grid of zeros: cast too)
             self._input_dtype = torch.float32
         else:
             counts = fn(torch.empty((), dtype=self._counts_dtype)).dtype
@@ -180,7 +180,8 @@ class _QuarkHistogram(QuarkObserver):
         zero = torch.zeros(1, device=self.observed_tokens.device)
         lo, hi = self._quark_ends(zero, zero)
         edges = torch.linspace(float(lo), float(hi), self.bins + 1, device=zero.device)
-        found = self._search(torch.zeros(1, self.bins, device=zero.device), edges[None])
+        counts = torch.zeros(1, self.bins, dtype=self._counts_dtype, device=zero.device)
+        found = self._search(counts, edges[None].to(self._input_dtype))  # (a module cast's)
         self._priced = self._quark_range(*found)
         return self.calculate_qparams(*self._priced)
 

@@ -416,8 +416,10 @@ def format_problems(problems: list[dict]) -> str:
         elif p.get("float") and p.get("experts"):
             cut = len(p["group"]) + 1  # the experts' layers, relative to their module
             floats = [layer[cut:] for layer in p["float"]]
+            quantized = {layer[cut:].partition(".")[0] for layer in p["layers"]
+                         if layer not in p["float"]}  # (w13: gate and up of each expert)
             lines.append(f"{p['group']}: the experts' {p['experts']} weights are quantized in "
-                         f"{len(p['layers']) - len(floats)} experts but float in "
+                         f"{len(quantized)} experts but float in "
                          f"{', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''}: the "
                          f"fused MoE layer runs one scheme for all its experts (transformers "
                          f"loads the float experts' weights wrong, without a word); quantize "
