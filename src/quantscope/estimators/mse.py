@@ -373,12 +373,10 @@ def _candidates(factors, maxshrink, grid, expand, extend_to, per_unit, patience,
 
 
 def _global_amaxes(ga0, spec, encoding_aware, global_grid):
-    """NVFP4's global amaxes to search under (``[None]`` without a global scale, or blind)."""
+    """NVFP4's global amaxes to search, none past float32's max (``[None]``: none, or blind)."""
     if ga0 is None or (spec.scale.has_global_scale and not encoding_aware):
         return [None]
     g = 4 if global_grid is None else global_grid  # an integer >= 1 (_check_options)
-    # a candidate past float32's range is its largest amax: inf would be priced as that (the
-    # global scale clamps it) and then kept as the observer's inf global amax
     return [(ga0 * 2 ** (k / g)).clamp(max=torch.finfo(torch.float32).max) for k in range(g)]
 
 

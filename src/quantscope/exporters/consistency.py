@@ -391,6 +391,19 @@ def check(path) -> list[dict]:
     return problems + _expert_splits(entries) + _expert_problems(entries)
 
 
+def _expert_split_line(p: dict) -> str:
+    """:func:`format_problems`' line of an experts module's split (:func:`_expert_splits`)."""
+    cut = len(p["group"]) + 1  # the experts' layers, relative to their module
+    floats = [layer[cut:] for layer in p["float"]]
+    quantized = {layer[cut:].partition(".")[0] for layer in p["layers"]
+                 if layer not in p["float"]}  # (w13: gate and up of each expert)
+    return (f"{p['group']}: the experts' {p['experts']} weights are quantized in "
+            f"{len(quantized)} experts but float in {', '.join(floats[:4])}"
+            f"{' ...' if len(floats) > 4 else ''}: the fused MoE layer runs one scheme for all "
+            f"its experts (transformers loads the float experts' weights wrong, without a "
+            f"word); quantize every expert or none")
+
+
 def format_problems(problems: list[dict]) -> str:
     """One line per problem, naming the layers and their values."""
     lines = []
@@ -414,16 +427,7 @@ def format_problems(problems: list[dict]) -> str:
                          f"(the first shard's) and cannot load the others; put the shards in "
                          f"one config group")
         elif p.get("float") and p.get("experts"):
-            cut = len(p["group"]) + 1  # the experts' layers, relative to their module
-            floats = [layer[cut:] for layer in p["float"]]
-            quantized = {layer[cut:].partition(".")[0] for layer in p["layers"]
-                         if layer not in p["float"]}  # (w13: gate and up of each expert)
-            lines.append(f"{p['group']}: the experts' {p['experts']} weights are quantized in "
-                         f"{len(quantized)} experts but float in "
-                         f"{', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''}: the "
-                         f"fused MoE layer runs one scheme for all its experts (transformers "
-                         f"loads the float experts' weights wrong, without a word); quantize "
-                         f"every expert or none")
+            lines.append(_expert_split_line(p))
         elif p.get("float"):
             quantized = [layer for layer in p["layers"] if layer not in p["float"]]
             lines.append(f"{p['group']}: {', '.join(quantized)} quantized but "
