@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 
+from .._jsonfile import read_json
 from .._plainchecks import check_bool, check_path
 from .atomic_swap import (
     _RENAME_EXCHANGE,  # noqa: F401 (importable here, as before the split)
@@ -128,10 +129,9 @@ def _json_of(path: str):
     what is not quantscope's own small file is not its output."""
     if not os.path.isfile(path) or os.path.getsize(path) > 2**26:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError, RecursionError):
+    try:  # (the inputs' reader: its limits and messages, here only "not JSON")
+        return read_json(path, "output")
+    except (OSError, ValueError):
         return None
 
 
