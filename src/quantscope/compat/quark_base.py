@@ -29,6 +29,7 @@ from .quark_scales import (
     _quark_int_scale_dtype,
     _quark_rows,
     quark_e8m0_scale,
+    quark_float64_scale,
     quark_float_scale,
     quark_half_width,
     quark_token_count,
@@ -330,6 +331,8 @@ class QuarkObserver(SavesNoState):
             lo0 = -width if sym else torch.zeros_like(width)
             scale = qparams_from_range(lo0, width, self.spec, check_finite=False).scale
         eps = self._buffers.get("eps")  # (the block classes' eps is a float: float32)
+        if work == torch.float64:
+            scale = quark_float64_scale(lo, hi, self.spec, float(self.eps)).reshape(scale.shape)
         eps = torch.float32 if eps is None else eps.dtype
         # the range's dtype (torch's half division rounds the float32 quotient, as this cast)
         scale = _cast(_cast(scale, work), _quark_int_scale_dtype(work, scale.dim() == 0, eps))

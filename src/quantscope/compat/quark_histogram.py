@@ -290,8 +290,10 @@ class PerTensorPercentileObserver(_QuarkHistogram, HistogramObserverBase):
 
     def _calculate_qparams(self):
         scale, zp = super()._calculate_qparams()
-        if self.has_observed and self._zero_mass():
-            return scale.reshape(1), zp.reshape(1)  # Quark's zero-mass range is zeros(1)
+        if self.has_observed and self._zero_mass():  # Quark's range: float32 zeros(1)
+            if not self.spec.is_float:  # (priced in float32 whatever a module cast made)
+                scale, zp = self.calculate_int_quant_params(*self._priced)
+            return scale.reshape(1), zp.reshape(1)
         return scale, zp
 
     def _zero_mass(self) -> bool:

@@ -199,6 +199,16 @@ def quark_half_width(lo: torch.Tensor, hi: torch.Tensor, work: torch.dtype | Non
     return width if bool(width.isfinite().all()) else None
 
 
+def quark_float64_scale(lo: torch.Tensor, hi: torch.Tensor, spec, eps: float) -> torch.Tensor:
+    """Quark's integer scale of a float64 range, divided in float64 as its formula runs there
+    (the native divides in float32: other last bits): ``amax / ((qmax - qmin) / 2)``
+    symmetric, else ``(max(hi, 0) - min(lo, 0)) / (qmax - qmin)``; at least ``eps``."""
+    neg, pos = lo.double().clamp(max=0), hi.double().clamp(min=0)
+    steps = float(spec.qmax - spec.qmin)
+    width = torch.maximum(-neg, pos) if spec.symmetric else pos - neg
+    return (width / (steps / 2 if spec.symmetric else steps)).clamp(min=eps)
+
+
 def _quark_int_scale_dtype(work: torch.dtype, zero_dim: bool,
                            eps_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of Quark's integer scale of a range (no ``scale_type``): the range's ``work``
