@@ -218,7 +218,8 @@ def _saveable(batch):
     kept for the loss: autograd cannot save those for backward. Without any, the batch."""
     if not any(t.is_inference() for t in tensors_in(batch)):
         return batch
-    return map_tensors(lambda t: t.clone() if t.is_inference() else t, batch)
+    return map_tensors(lambda t: t.clone() if t.is_inference() else t, batch,
+                       keyword_batch(batch))
 
 
 def _loss_of(model, batch, loss, k):

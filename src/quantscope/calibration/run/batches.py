@@ -270,33 +270,48 @@ def peek(batches, wanted=None):
     return seen[found], sized_like(itertools.chain(seen, it), batches)
 
 
-def tensors_in(value):
+def tensors_in(value, path: frozenset = frozenset()):
     """The tensors of a nested tuple / list / mapping (a batch, a block's arguments or
-    output)."""
+    output), an object with ``keys()`` and ``[]`` read as ``**`` reads it; a container
+    holding itself is not walked again (``path``: the ids above)."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from tensors_in(v)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from tensors_in(v)
+        return
+    if isinstance(value, _LEAVES) or value is None or id(value) in path:
+        return
+    path |= {id(value)}
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, Mapping) or _keyed(value):
+        items = keywords_of(value).values()
+    else:
+        return
+    for v in items:
+        yield from tensors_in(v, path)
 
 
-def map_tensors(fn, value):
+def _keyed(value) -> bool:
+    """Whether ``value`` reads as a mapping under ``**``: ``keys()`` and ``[]``."""
+    return hasattr(value, "keys") and hasattr(value, "__getitem__")
+
+
+def map_tensors(fn, value, keywords: bool = False, path: frozenset = frozenset()):
     """``value`` with ``fn`` applied to each of its tensors, the nesting kept (a namedtuple
     and a ``UserDict``, a tokenizer's ``BatchEncoding``, keep their type; another mapping
-    becomes a dict)."""
+    becomes a dict, as does ``value`` itself read as ``**`` reads a batch: ``keywords``); a
+    container holding itself is not walked again (``path``: the ids above)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if id(value) in path or not (keywords or isinstance(value, (tuple, list, Mapping))):
+        return value
+    path |= {id(value)}
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: by position
-        return type(value)(*(map_tensors(fn, v) for v in value))
+        return type(value)(*(map_tensors(fn, v, path=path) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(fn, v) for v in value)
-    if isinstance(value, Mapping):  # a dict subclass as a dict (what a spill file can hold)
-        items = {k: map_tensors(fn, v) for k, v in value.items()}
-        return items if isinstance(value, dict) else _mapping_like(value, items)
-    return value
+        return type(value)(map_tensors(fn, v, path=path) for v in value)
+    # a dict subclass as a dict (what a spill file can hold)
+    items = {k: map_tensors(fn, v, path=path) for k, v in keywords_of(value).items()}
+    return items if isinstance(value, dict) else _mapping_like(value, items)
 
 
 def input_name(module: torch.nn.Module) -> str | None:
