@@ -166,7 +166,8 @@ class QuarkObserver(SavesNoState):
 
     def check_input(self, x) -> bool:
         axis = getattr(self.spec.layout, "axis", None)  # (per tensor: none)
-        if isinstance(x, torch.Tensor) and axis is not None and not -x.dim() <= axis < x.dim():
+        if isinstance(x, torch.Tensor) and x.numel() and axis is not None \
+                and not -x.dim() <= axis < x.dim():  # (an empty batch: passed over, as Quark's)
             raise AxisRangeError(f"{self.describe()}: ch_axis={axis} is out of range for a "
                                  f"tensor of shape {tuple(x.shape)} (Quark's class raises "
                                  f"IndexError)")

@@ -21,6 +21,14 @@ from .quark_scales import _quark_edges, _QuarkGrid
 __all__ = ["PerTensorHistogramObserver", "PerTensorMSEObserver", "PerTensorPercentileObserver"]
 
 
+def __getattr__(name: str):
+    # Pro lived here until 2026-12-06: its old import path, and pickles made then, still load
+    if name == "PerTensorHistogramObserverPro":
+        from .quark_pro import PerTensorHistogramObserverPro
+        return PerTensorHistogramObserverPro
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}

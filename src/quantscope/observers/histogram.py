@@ -9,7 +9,7 @@ range is asked for. Two ways to combine batches:
   estimate once, at ``calculate_qparams``;
 * ``averaging_constant=c`` (Horizon's mode): every ``update_interval`` batches,
   estimate the range on the histogram of those batches (bounded by their own min / max),
-  then ``range += c * (estimate - range)`` (the first estimate initialises) and start a
+  then ``range = torch.lerp(range, estimate, c)`` (the first estimate initialises) and start a
   new histogram (:mod:`.histogram_ema`). This runs the estimator inside ``forward``.
 
 Symmetric specs histogram ``|x|`` (the estimators' reference form), asymmetric ones

@@ -1,0 +1,129 @@
+"""Where probe s58 found the compat classes differ from their toolkits' (Quark 0.13,
+llm-compressor 0.14), or found behaviour no test pinned, run in the peers' venv: an empty batch
+to Quark's per-channel / per-group observers (passed over, whatever its dimensions), negative
+axes, the torch.ao-backed ``PerTensorHistogramObserverPro`` (``reduce_range``, a batch with inf,
+its old import path and pickles), llm-compressor's searches on the meta device."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pickle
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.peers
+
+pytest.importorskip("quark.torch.quantization.observer.observer")
+pytest.importorskip("llmcompressor")
+with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers import Observer as Theirs
+from quark_twins import qo, quark_config, quark_twins
+
+from quantscope.compat import quark
+from quantscope.compat.llmcompressor import Observer as Ours
+from quantscope.compat.llmcompressor_base import MetaSearchError
+
+
+def _quiet(fn, *args):
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return fn(*args)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+AXIS_CLASSES = [("PerChannelMinMaxObserver", {"qscheme": "per_channel"}),
+                ("PerGroupMinMaxObserver", {"qscheme": "per_group", "group_size": 8})]
+
+
+@pytest.mark.parametrize(("name", "kw"), AXIS_CLASSES)
+@pytest.mark.parametrize("shape", [(0,), (0, 16), (16, 0)])
+@pytest.mark.parametrize("axis", [1, 3])
+def test_an_empty_batch_is_passed_over_whatever_its_axes(name, kw, shape, axis):
+    """An empty 1-D batch with ch_axis=1 raised AxisRangeError; Quark passes it over."""
+    theirs, ours = quark_twins(name, dtype="int8", symmetric=True, ch_axis=axis, **kw)
+    for obs in (theirs, ours):
+        _quiet(obs, torch.empty(shape))
+    assert not ours.has_observed
+
+
+@pytest.mark.parametrize(("name", "kw"), AXIS_CLASSES)
+@pytest.mark.parametrize(("axis", "shape"), [(-2, (16, 8)), (-1, (16,)), (-1, (4, 16))])
+def test_negative_axes_inside_the_batch_are_quarks(name, kw, axis, shape):
+    theirs, ours = quark_twins(name, dtype="int8", symmetric=True, ch_axis=axis, **kw)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    for obs in (theirs, ours):
+        _quiet(obs, x)
+    for a, b in zip(_quiet(theirs._calculate_qparams), ours._calculate_qparams(), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b.to(a.dtype)), (a, b)
+
+
+@pytest.mark.parametrize(("dtype", "symmetric", "codes"),
+                         [("uint8", False, (0, 127)), ("int8", True, (-64, 63))])
+def test_pro_reduce_range_halves_the_codes_of_its_native_qparams(dtype, symmetric, codes):
+    """``reduce_range=True``: Quark's torch.ao child uses half the codes, so the native
+    ``qparams()`` (what quantscope's exporters read) must too, equal to Quark's."""
+    c = quark_config("PerTensorHistogramObserverPro", dtype=dtype, symmetric=symmetric)
+    theirs = qo.PerTensorHistogramObserverPro(c, None, reduce_range=True)
+    ours = quark.PerTensorHistogramObserverPro(c, None, reduce_range=True)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) + 1
+    for obs in (theirs, ours):
+        _quiet(obs, x)
+    assert (ours.spec.qmin, ours.spec.qmax) == codes
+    scale, zp = _quiet(theirs._calculate_qparams)
+    qp = ours.qparams()
+    assert torch.equal(qp.scale.reshape(-1), scale.reshape(-1).float())
+    assert torch.equal(qp.zero_point.reshape(-1).long(), zp.reshape(-1).long())
+
+
+def test_pro_counts_the_tokens_of_a_batch_with_inf_as_of_any_batch():
+    """torch.ao drops the inf; the batch still counts its rows once (not one more)."""
+    c = quark_config("PerTensorHistogramObserverPro", dtype="int8", symmetric=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    x[1, 2] = float("inf")
+    with_inf, finite = quark.PerTensorHistogramObserverPro(c), quark.PerTensorHistogramObserverPro(c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_inf(x)
+    finite(torch.randn(4, 8))
+    assert int(with_inf.observed_tokens) == int(finite.observed_tokens) == 4
+
+
+def test_pro_loads_from_its_old_module():
+    """Pro moved from compat.quark_histogram to compat.quark_pro (s57): the old import path
+    and a pickle that names it still load."""
+    from quantscope.compat.quark_histogram import PerTensorHistogramObserverPro as Old
+
+    assert Old is quark.PerTensorHistogramObserverPro
+    obs = quark.PerTensorHistogramObserverPro(
+        quark_config("PerTensorHistogramObserverPro", dtype="int8", symmetric=True))
+    obs(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)))
+    old = pickle.dumps(obs, protocol=2).replace(b"quantscope.compat.quark_pro\n",
+                                                b"quantscope.compat.quark_histogram\n")
+    assert b"quark_histogram" in old
+    back = pickle.loads(old)
+    for a, b in zip(back._calculate_qparams(), obs._calculate_qparams(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["mse", "memoryless_mse", "nvfp4_expanded_mse", "imatrix_mse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_searches_refuse_meta_tensors_as_theirs_raise(name, dtype):
+    """A search prices data: theirs raises RuntimeError at Tensor.item(); ours returned meta
+    qparams (float32) or raised torch's bare NotImplementedError (half dtypes)."""
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+            "group_size": 16} if name.startswith("nvfp4") else \
+        {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    for cls, error in ((Theirs, RuntimeError), (Ours, MetaSearchError)):
+        obs = cls.load_from_registry(name, base_name="weight", args=QuantizationArgs(**args))
+        with pytest.raises(error):
+            _quiet(obs, torch.empty(4, 16, device="meta", dtype=dtype))
+            _quiet(obs.get_qparams)
+    assert issubclass(MetaSearchError, RuntimeError) and issubclass(MetaSearchError, ValueError)
