@@ -110,3 +110,28 @@ def test_a_keys_only_batch_gets_a_copy_of_its_cache():
     cache = batch["past_key_values"]
     assert [forward_batch(_fills, batch) for _ in range(2)] == [0, 0]
     assert cache.get_seq_length() == 0
+
+
+def test_a_dict_batch_holding_itself_is_walked_once():
+    # s58 mutants: the mapping branch keeps the ids above it too (the loop above is a list)
+    batch = {"x": torch.ones(1)}
+    batch["self"] = batch
+    assert forward_batch(lambda **kw: kw["self"], batch) is batch
+    batch["cache"] = transformers.DynamicCache()
+    got = forward_batch(lambda **kw: kw, batch)
+    assert got["self"] is batch and got["cache"] is not batch["cache"]
+
+
+def test_a_spilled_model_output_reads_back_as_a_dict(tmp_path):
+    # s58 mutants: map_tensors gives a dict subclass (a ModelOutput) as a dict: the spill
+    # file's weights_only load refuses other classes
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from quantscope.calibration.run.seq_cache import Cache
+
+    out = BaseModelOutput(last_hidden_state=torch.ones(2, 3))
+    assert type(map_tensors(torch.Tensor.detach, out)) is dict
+    cache = Cache([0], str(tmp_path), "t")  # budget 0: every value spilled to a file
+    cache.put(0, out)
+    got = cache.get(0)
+    assert type(got) is dict and torch.equal(got["last_hidden_state"], torch.ones(2, 3))

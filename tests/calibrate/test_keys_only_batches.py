@@ -149,3 +149,14 @@ def test_a_batch_holding_itself_calibrates(observer):
     assert copied["meta"][0] is not loop[0] and torch.equal(copied["meta"][0], loop[0])
     calib = quantscope.calibrate(M(), [batch], "w8a8", observer=observer, progress=False)
     assert set(calib.states) == {"l1", "l2"}
+
+
+def test_input_ids_count_before_other_tensors_without_a_mask():
+    # s58 mutants: with no mask the ids count the tokens, not the batch's first tensor
+    from quantscope.calibration.choice.score_set import tokens_of
+
+    batch = {"pixel_values": torch.zeros(2, 3, 4, 4),
+             "input_ids": torch.ones(2, 5, dtype=torch.long)}
+    for wrap in (dict, KeysOnly):
+        assert tokens_of(wrap(batch)) == 10, wrap
+        assert tokens_of(wrap(batch), per_row=True) == [5, 5], wrap

@@ -59,3 +59,17 @@ def test_the_gate_up_slot_counts_experts_not_layers(tmp_path):
     assert problem["float"] == [f"{EXPERTS}.3.gate_proj", f"{EXPERTS}.3.up_proj"]
     assert f"{EXPERTS}: the experts' w13 weights are quantized in 3 experts but float in " \
            f"3.gate_proj, 3.up_proj:" in format_problems([problem])
+
+
+@pytest.mark.parametrize(("floats", "listed", "more"), [(4, 4, False), (5, 4, True)])
+def test_the_split_line_lists_the_first_four_float_experts(floats, listed, more):
+    # s58 mutants: four are all named, a fifth is '...'
+    group = "model.layers.0.mlp.experts"
+    problem = {"group": group, "layers": [f"{group}.{e}.down_proj" for e in range(8)],
+               "tensor": "weight", "values": {}, "experts": "down_proj",
+               "float": [f"{group}.{e}.down_proj" for e in range(floats)]}
+    line = format_problems([problem])
+    named = line[line.find("but float in"):line.find(": the fused")]
+    assert [f"{e}.down_proj" in named for e in range(5)] == [e < listed for e in range(5)]
+    assert named.rstrip().endswith("...") is more
+    assert f"quantized in {8 - floats} experts" in line
