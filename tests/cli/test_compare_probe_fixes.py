@@ -80,3 +80,21 @@ def test_compare_verbose_prints_each_configurations_layers(llama_dir, tmp_path, 
         for row in run["layers"]:
             assert row["layer"] in verbose
     assert verbose.index("w8a8/mse: layers") < verbose.index("quantscope compare:")
+
+
+@pytest.mark.parametrize("runs", [{"w8a8/minmax": None}, [1, 2]], ids=["null-run", "list"])
+def test_plot_names_a_report_whose_runs_are_malformed(tmp_path, capsys, runs):
+    # probe s58: a hand-edited report gave a bare AttributeError line
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.json").write_text(json.dumps({"setup": {}, "runs": runs}))
+    rc, _, err = _run(capsys, "plot", str(tmp_path / "r"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "'runs' must map each run's name to a mapping" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag", ["--recipes", "--observers"])
+def test_compare_names_the_flag_that_names_nothing(tmp_path, capsys, flag):
+    args = {"--recipes": "w8a8", "--observers": "minmax", flag: ","}
+    rc, _, err = _run(capsys, "compare", "--model", str(tmp_path), *[x for kv in args.items()
+                                                                   for x in kv])
+    assert rc == 2 and f"{flag} ',' names no {flag[2:-1]}" in err, err

@@ -181,8 +181,11 @@ def _check_compare_args(args) -> tuple[list[str], list[str]]:
     with the model and output arguments."""
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     observers = [o.strip() for o in args.observers.split(",") if o.strip()]
-    if not recipes or not observers:
-        raise UsageError("compare: need at least one recipe and one observer")
+    for flag, names, given in (("--recipes", recipes, args.recipes),
+                               ("--observers", observers, args.observers)):
+        if not names:
+            raise UsageError(f"compare: {flag} {given!r} names no "
+                             f"{flag[2:-1]}; give one or more, comma-separated")
     # spelt exactly, as calibrate's --recipe / --scheme spell them: w8a8 is the quantscope
     # preset (static inputs), W8A8 compressed-tensors' scheme (dynamic inputs)
     recipes = [check_recipe_name(r) for r in recipes]
@@ -344,14 +347,19 @@ def _plots(report: dict, out: str, layer: str | None, role: str = "input",
 def _read_report(run: str) -> tuple[str, dict]:
     path = os.path.join(run, "report.json") if os.path.isdir(run) else run
     if not os.path.isfile(path):
+        why = "not a regular file" if os.path.exists(path) else "no such file"
         raise UsageError(f"plot: {run!r} is not a compare run directory or report.json "
-                         f"(no {path})")
+                         f"({path}: {why})")
     try:
         report = read_json(path, "plot")
     except ValueError as e:  # else a bare parser message
         raise UsageError(str(e)) from None
     if not isinstance(report, dict) or "runs" not in report:
         raise UsageError(f"plot: {path} is not a compare report (no 'runs')")
+    runs = report["runs"]  # (a report compare wrote, edited by hand)
+    if not isinstance(runs, dict) or not all(isinstance(v, dict) for v in runs.values()):
+        raise UsageError(f"plot: {path}: 'runs' must map each run's name to a mapping of its "
+                         f"results")
     return path, report
 
 
