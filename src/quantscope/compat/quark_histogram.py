@@ -16,7 +16,7 @@ from ..observers.histogram import HistogramObserverBase
 from ..observers.registry import register
 from . import enum_name, field
 from .quark_base import _F32_EPS, QuarkObserver
-from .quark_scales import _quark_edges, _QuarkGrid
+from .quark_scales import _WIDE, _quark_edges, _QuarkGrid, _refuse_overflow
 
 __all__ = ["PerTensorHistogramObserver", "PerTensorMSEObserver", "PerTensorPercentileObserver"]
 
@@ -32,7 +32,6 @@ def __getattr__(name: str):
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
 _MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
-_WIDE = {torch.float32, torch.float64}  # a module cast to these keeps a float32 state finite
 
 
 def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -49,18 +48,6 @@ def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
 def _quark_float(t: torch.Tensor) -> torch.Tensor:
     """Quark's searches compute in their arguments' dtype: float32 for integer counts."""
     return t if t.is_floating_point() else t.float()
-
-
-def _refuse_overflow(observer, state) -> None:
-    """Raise where a module cast (``.half()``) turned Quark's ``state`` (tensors) inf."""
-    bad = [t.dtype for t in state if bool(t.isinf().any())]
-    if bad:
-        from .torch_ao import StateOverflowError  # (not loaded with compat.quark)
-        to = "" if bad[0] in _WIDE else f" to {bad[0]} (max {torch.finfo(bad[0]).max:.6g})"
-        raise StateOverflowError(
-            f"{observer.describe()}: a module cast{to} overflowed its state, or Quark's search "
-            f"in its dtype (inf: Quark's class fails or prices inf there too); keep the "
-            f"observer in float32 or bfloat16, or reset() it")
 
 
 def _quark_zero(like: torch.Tensor) -> torch.Tensor:

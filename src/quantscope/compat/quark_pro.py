@@ -13,7 +13,7 @@ from ..observers.histogram import L2HistogramObserver
 from ..observers.registry import register
 from . import enum_name
 from .quark_base import QuarkObserver
-from .quark_histogram import _refuse_overflow
+from .quark_scales import _refuse_overflow
 
 __all__ = ["PerTensorHistogramObserverPro"]
 

@@ -293,3 +293,18 @@ class _QuarkGrid:
         widened = edges is not self.edges
         self.counts, self.edges = counts, edges
         return widened
+
+
+_WIDE = {torch.float32, torch.float64}  # a module cast to these keeps a float32 state finite
+
+
+def _refuse_overflow(observer, state) -> None:
+    """Raise where a module cast (``.half()``) turned Quark's ``state`` (tensors) inf."""
+    bad = [t.dtype for t in state if bool(t.isinf().any())]
+    if bad:
+        from .torch_ao import StateOverflowError  # (not loaded with compat.quark)
+        to = "" if bad[0] in _WIDE else f" to {bad[0]} (max {torch.finfo(bad[0]).max:.6g})"
+        raise StateOverflowError(
+            f"{observer.describe()}: a module cast{to} overflowed its state, or Quark's search "
+            f"in its dtype (inf: Quark's class fails or prices inf there too); keep the "
+            f"observer in float32 or bfloat16, or reset() it")
