@@ -4,7 +4,8 @@ pieces scored one after the other (:func:`score_plan`).
 
 A batch's real tokens: a dict's attention mask's ones, else the entries of its
 ``input_ids`` (or first tensor) as of a bare tensor: every entry of token ids, every row of
-features (one token each). Only dict batches are cut, by rows (documents).
+features (one token each). Only dict batches are cut, by rows (documents), and only those
+whose arguments are tensors or hold none (no KV cache).
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import itertools
 
 import torch
 
-from ..run.batches import keyword_batch, keywords_of, sized_like, tensors_in
+from ..run.batches import (
+    is_kv_cache,
+    keyword_batch,
+    keywords_of,
+    leaves_in,
+    sized_like,
+    tensors_in,
+)
 
 __all__ = ["FIRST_PIECE", "mask_of", "no_batches_error", "no_token_error", "piece_names",
            "piece_of", "rows_of", "score_batches", "score_pieces", "score_plan", "scoring_prefix",
@@ -43,10 +51,19 @@ def _counted(b):
 
 
 def rows_of(batch) -> int | None:
-    """A dict batch's rows (documents, which a scoring piece cuts), None for other batches."""
+    """A dict batch's rows (documents, which a scoring piece cuts), None for other batches
+    and for a dict batch :func:`take_rows` cannot cut: one with an argument that is no tensor
+    but holds one, or a KV cache (a prefix of each row)."""
     t, mask = _counted(batch) if keyword_batch(batch) else (None, 0)
     ok = isinstance(t, torch.Tensor) and (t.dim() == 2 if mask else t.dim() > 1)
-    return t.shape[0] if ok else None
+    return t.shape[0] if ok and all(map(_cut_whole, keywords_of(batch).values())) else None
+
+
+def _cut_whole(value) -> bool:
+    """Whether :func:`take_rows` cuts all of an argument: a tensor, or what holds no tensor
+    and no KV cache."""
+    return isinstance(value, torch.Tensor) or not any(
+        isinstance(v, torch.Tensor) or is_kv_cache(v) for v in leaves_in(value))
 
 
 def take_rows(batch, start: int, stop: int):

@@ -18,8 +18,8 @@ from ...observers.runtime import nested_rows
 from ...stats.minmax import any_non_finite
 
 __all__ = ["batch_arguments", "check_batches", "eval_mode", "forward_batch", "input_name",
-           "is_kv_cache", "keyword_batch", "keywords_of", "length_checked", "map_tensors",
-           "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
+           "is_kv_cache", "keyword_batch", "keywords_of", "leaves_in", "length_checked",
+           "map_tensors", "module_input", "nan_parameter", "peek", "sized_like", "tensors_in"]
 
 
 @contextmanager
@@ -270,24 +270,31 @@ def peek(batches, wanted=None):
     return seen[found], sized_like(itertools.chain(seen, it), batches)
 
 
-def tensors_in(value, path: frozenset = frozenset()):
+def tensors_in(value):
     """The tensors of a nested tuple / list / mapping (a batch, a block's arguments or
-    output), an object with ``keys()`` and ``[]`` read as ``**`` reads it; a container
-    holding itself is not walked again (``path``: the ids above)."""
-    if isinstance(value, torch.Tensor):
+    output), an object with ``keys()`` and ``[]`` read as ``**`` reads it."""
+    return (v for v in leaves_in(value) if isinstance(v, torch.Tensor))
+
+
+def leaves_in(value, path: frozenset = frozenset()):
+    """What a nested tuple / list / mapping holds that is none of them (tensors, KV caches,
+    numbers ...), walked as :func:`tensors_in` walks it; a container holding itself is not
+    walked again (``path``: the ids above)."""
+    if isinstance(value, _LEAVES) or value is None:
         yield value
         return
-    if isinstance(value, _LEAVES) or value is None or id(value) in path:
+    if id(value) in path:
         return
-    path |= {id(value)}
     if isinstance(value, (tuple, list)):
         items = value
     elif isinstance(value, Mapping) or _keyed(value):
         items = keywords_of(value).values()
     else:
+        yield value
         return
+    path |= {id(value)}
     for v in items:
-        yield from tensors_in(v, path)
+        yield from leaves_in(v, path)
 
 
 def _keyed(value) -> bool:
