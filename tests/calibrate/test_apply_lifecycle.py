@@ -171,8 +171,14 @@ def test_a_deepcopy_of_an_applied_moe_model_is_refused(moe_calib):
                                             r"apply\(\) or after remove\(\)"):
             copy.deepcopy(model)
         assert torch.equal(model(data[0]).logits, y_q)  # the original still applied
+        # probe s58: pickling met the views' closures first ("Can't pickle local object")
+        for layer in model.model.layers:  # (the test's starving hooks: closures of its own)
+            layer.mlp.gate._forward_hooks.clear()
+        with pytest.raises(TypeError, match=r"pickle \(torch\.save\): .*MoE experts"):
+            torch.save(model, io.BytesIO())
     assert same(model, snap)
     copy.deepcopy(model)  # after remove(): a plain model
+    torch.save(model, io.BytesIO())
 
 
 def test_experts_an_applied_model_lends_another_are_not_fingerprinted(moe_calib):

@@ -33,7 +33,8 @@ from torch import nn
 
 from ..calibration.run.disk_names import checkpoint_names, expert_names
 from ..calibration.structure import fusion
-from ..calibration.structure.moe import is_gated, is_routed
+from ..calibration.structure.expert_views import is_gated
+from ..calibration.structure.moe import is_routed
 from ..layout import Tensor
 
 __all__ = ["checkpoint_names", "disk_to_module", "expert_names", "fuse_expert_states",

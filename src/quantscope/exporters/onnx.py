@@ -57,7 +57,7 @@ import torch
 from .._checks import check_bool
 from ..calibration.structure import kv_cache
 from ..calibration.structure.conv1d import is_conv1d
-from ..calibration.structure.moe import view_weight
+from ..calibration.structure.expert_views import view_weight
 from ..calibration.structure.placement import check_placement, is_block
 from ..calibration.structure.tied import tied_weights
 from .atomic import check_writable_target

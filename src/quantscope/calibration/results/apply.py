@@ -34,6 +34,7 @@ from ...observers.runtime import qdq_tensor, runtime_qparams
 from ...qdq import clip_edges
 from ..run.batches import input_name, module_input
 from ..structure import kv_cache, moe
+from ..structure.expert_views import expert_weight
 from ..structure.fingerprint import layer_weight
 from ..structure.placement import (
     check_module,
@@ -104,7 +105,7 @@ class _Saved:
         if self.expert is None:
             return self.params()
         (owner, name), = self.holders
-        return [moe.expert_weight(owner, name, self.expert)]
+        return [expert_weight(owner, name, self.expert)]
 
 
 class QDQHandle:

@@ -15,7 +15,7 @@ from torch import nn
 from ..._checks import outside_quantscope
 from ..._jsonfile import read_json
 from ..._plainchecks import quant_method
-from ..structure.moe import is_experts_3d, is_gated
+from ..structure.expert_views import is_experts_3d, is_gated
 from .disk_names import checkpoint_names, expert_names
 
 __all__ = ["TASKS", "Checkpoint", "empty_model", "is_meta", "load_params", "model_task",

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..._checks import outside_quantscope
 from . import kv_cache
-from .moe import view_weight
+from .expert_views import view_weight
 from .placement import plain
 
 __all__ = ["check_fingerprint_text", "check_fingerprints", "digest", "fingerprint",

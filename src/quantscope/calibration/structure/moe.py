@@ -43,23 +43,14 @@ from ...exporters.moe_slots import expert_index, proj_slot
 from ...layout import Tensor
 from ...qparams import qparams_from_range
 from ..run.batches import input_name, module_input
+from .expert_views import MARK, DropViews, Expert, RoutedForward, is_experts_3d, view_source
 
-__all__ = ["Experts", "attach", "expert_items", "expert_weight", "has_experts", "has_experts_3d",
-           "is_expert_list", "is_routed", "share_inputs", "shrink", "unreached", "view_weight"]
+__all__ = ["Experts", "attach", "expert_items", "has_experts", "has_experts_3d", "is_expert_list",
+           "is_routed", "share_inputs", "shrink", "unreached"]
 
 #: ``n`` below which an expert's activation range is shrunk toward the pooled one
 #: (docs/benchmarks.md "## fusion and MoE": KL against float by threshold)
 MIN_TOKENS = 128
-
-
-def is_experts_3d(module: nn.Module) -> bool:
-    """A transformers-5 experts module: 3-D ``down_proj`` and ``gate_up_proj`` / ``up_proj``."""
-    up = getattr(module, "gate_up_proj", None)
-    if up is None:
-        up = getattr(module, "up_proj", None)
-    down = getattr(module, "down_proj", None)
-    return (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)
-            and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
 
 
 def is_expert_list(name: str, module: nn.Module) -> bool:
@@ -97,116 +88,6 @@ def is_routed(module: nn.Module) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
-def is_gated(module: nn.Module) -> bool:
-    """An experts module whose ``gate_up_proj`` holds gate rows then up rows (not an
-    ungated ``up_proj``)."""
-    return getattr(module, "has_gate", True) and hasattr(module, "gate_up_proj")
-
-
-_MARK = "_quantscope_expert"
-
-
-class _ExpertLinear(nn.Linear):
-    """One expert's Linear: ``weight`` (and ``bias``) are frozen views of the 3-D parameters'
-    slices, what observers and the report read; the forward takes the slices from the experts
-    module's parameters as it holds them now, so autograd reaches them (training under
-    ``apply``) and a cast of the model (``model.to``) is what runs."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, *self._live())
-
-
-def _view_linear(parent: nn.Module, name: str, e: int) -> nn.Linear:
-    """Expert ``e``'s Linear over the slice ``e`` of ``parent``'s 3-D parameter ``name`` (and of
-    its bias, where the module has one)."""
-    has_bias = getattr(parent, "has_bias", False)
-    bias = getattr(parent, f"{name}_bias", None) if has_bias else None
-    weight = expert_weight(parent, name, e)
-    lin = _ExpertLinear(1, 1, bias=False, device="meta")
-    lin.weight = nn.Parameter(weight, requires_grad=False)
-    lin.in_features, lin.out_features = weight.shape[1], weight.shape[0]
-    lin.bias = None if bias is None else nn.Parameter(bias.data[e], requires_grad=False)
-    # a plain attribute, not a submodule: the parent holds the child
-    lin._live = lambda: (expert_weight(parent, name, e, live=True),
-                         None if bias is None else getattr(parent, f"{name}_bias")[e])
-    setattr(lin, _MARK, True)
-    return lin
-
-
-class _Expert(nn.Module):
-    """One expert of a 3-D experts module, as two Linear views (its gate_up and down)."""
-
-    def __init__(self, parent: nn.Module, e: int):
-        super().__init__()
-        for child in ("gate_up_proj", "down_proj"):
-            self.add_module(child, _view_linear(parent, _source(parent, child), e))
-        self.gated = is_gated(parent)
-
-
-def _source(parent: nn.Module, child: str) -> str:
-    """The 3-D parameter of ``parent`` that an expert's ``child`` Linear views."""
-    if child == "gate_up_proj":
-        return "gate_up_proj" if is_gated(parent) else "up_proj"
-    return child
-
-
-def expert_weight(parent: nn.Module, name: str, e: int, live: bool = False) -> torch.Tensor:
-    """Expert ``e``'s ``[out, in]`` weight: a view of the slice of ``parent``'s 3-D parameter
-    ``name``, as it holds it now (``live``: through autograd; else of its ``.data``)."""
-    w = getattr(parent, name)[e] if live else getattr(parent, name).data[e]
-    return w.t() if getattr(parent, "is_transposed", False) else w
-
-
-def view_weight(model: nn.Module, layer: str) -> torch.Tensor | None:
-    """The slice the expert Linear ``layer`` of :func:`attach` views (``<experts>.<e>.
-    gate_up_proj`` / ``down_proj``), read without attaching; None where there is none."""
-    owner, _, child = layer.rpartition(".")
-    name, _, e = owner.rpartition(".")
-    try:
-        parent = model.get_submodule(name)
-    except AttributeError:
-        return None
-    if child not in ("gate_up_proj", "down_proj") or not e.isdigit() \
-            or not is_experts_3d(parent) or int(e) >= parent.down_proj.shape[0]:
-        return None
-    return expert_weight(parent, _source(parent, child), int(e))
-
-
-def _activate(parent, expert: _Expert, h: torch.Tensor) -> torch.Tensor:
-    if not expert.gated:
-        return parent.act_fn(h)
-    if hasattr(parent, "_apply_gate"):  # transformers' own (concatenated or interleaved)
-        return parent._apply_gate(h)
-    gate, up = h.chunk(2, dim=-1)
-    return parent.act_fn(gate) * up
-
-
-def _routed_forward(parent, n_exp: int, counts: list[int] | None, all_experts: bool):
-    """The eager routing loop of transformers' experts modules, through the children."""
-    def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        out = torch.zeros_like(hidden_states)
-        for e in range(n_exp):
-            expert = parent._modules[str(e)]
-            # (k position, token) in the same order as transformers' one_hot mask
-            pos, tok = torch.where(top_k_index.t() == e)
-            if counts is not None:
-                counts[e] += int(tok.numel()) if not all_experts else hidden_states.shape[0]
-            if all_experts:  # every token observed; the routed rows kept
-                y = expert.down_proj(_activate(parent, expert, expert.gate_up_proj(
-                    hidden_states)))[tok]
-            elif tok.numel():
-                y = expert.down_proj(_activate(parent, expert, expert.gate_up_proj(
-                    hidden_states[tok])))
-            else:
-                continue
-            if getattr(parent, "has_post_expert_norm", False):  # transformers' eager order
-                y = parent.post_expert_norm(y)
-            y = y * top_k_weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-    return forward
-
-
 @dataclass
 class Experts:
     """What :func:`attach` did: per experts module its per-expert token counts."""
@@ -223,7 +104,7 @@ class Experts:
         Linear ``layer`` views (:func:`expert_weight`)."""
         name, e = self.layers[layer]
         parent = self.model.get_submodule(name)
-        return parent, _source(parent, layer.rpartition(".")[2]), e
+        return parent, view_source(parent, layer.rpartition(".")[2]), e
 
     def reset_counts(self) -> None:
         for c in self.counts.values():
@@ -253,11 +134,11 @@ class Experts:
         hooks: list = []
         self._undo.append(_undo_3d(module, n, hooks))
         for e in range(n):
-            module.add_module(str(e), _Expert(module, e))
+            module.add_module(str(e), Expert(module, e))
             for proj in ("gate_up_proj", "down_proj"):
                 self.layers[f"{name}.{e}.{proj}"] = (name, e)
-        module.forward = _routed_forward(module, n, counts, self.all_experts)
-        hooks.append(module.register_state_dict_post_hook(_drop_views(n)))
+        module.forward = RoutedForward(module, n, counts, self.all_experts)
+        hooks.append(module.register_state_dict_post_hook(DropViews(n)))
         if counts is not None:
             self.counts[name] = counts
 
@@ -272,8 +153,8 @@ class Experts:
         for layer, e in _list_layers(name, items):
             self.layers[layer] = (name, e)
             lin = self.model.get_submodule(layer)
-            setattr(lin, _MARK, True)
-            self._undo.append(lambda lin=lin: lin.__dict__.pop(_MARK, None))
+            setattr(lin, MARK, True)
+            self._undo.append(lambda lin=lin: lin.__dict__.pop(MARK, None))
 
         def counter(e, item):
             key = input_name(item)  # the input calibration observes
@@ -352,16 +233,6 @@ def _undo_3d(module: nn.Module, n: int, hooks: list):
         else:
             module.__dict__.pop("forward", None)
     return undo
-
-
-def _drop_views(n: int):
-    """A ``state_dict`` post-hook leaving out the per-expert views' keys: the 3-D parameters
-    hold the same values, and a model without views would refuse the keys when loading."""
-    def hook(module, state_dict, prefix, local_metadata):
-        views = tuple(f"{prefix}{e}." for e in range(n))
-        for key in [k for k in state_dict if k.startswith(views)]:
-            del state_dict[key]
-    return hook
 
 
 def _list_layers(name: str, items):
