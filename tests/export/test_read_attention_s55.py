@@ -107,3 +107,16 @@ def test_an_attention_config_group_is_refused_naming_the_tensors_written_there(
     assert "q_scale, k_scale and v_scale on the module" in msg
     assert "quantscope does not run attention quantization" in msg
     assert "input_scale" not in msg
+
+
+@pytest.mark.parametrize("targets", [["re:.*self_attn$"], ["LlamaAttention"]])
+def test_an_attention_group_with_weights_is_refused_too(exports, tmp_path, targets):
+    # probe s58: a group with weights as well was matched only where its rule took a role
+    # (an attention module holds no weight), so the reader took it without a word
+    def edit(qc):
+        group = dict(next(iter(qc["config_groups"].values())), targets=targets)
+        qc["config_groups"]["attention"] = group
+    folder = edited(exports["kv"], tmp_path / "e", None, edit)
+    with pytest.raises(ValueError, match=r"config_groups\.attention targets the attention "
+                                         r"module .* \(LlamaAttention\)"):
+        Calibration.from_compressed_tensors(folder)

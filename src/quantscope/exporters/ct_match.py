@@ -16,7 +16,7 @@ from torch import nn
 
 from .read_checks import exact_pattern
 
-__all__ = ["Targets", "match_named", "precedence", "winners"]
+__all__ = ["Targets", "match_named", "matched", "precedence", "winners"]
 
 
 class Targets:
@@ -75,12 +75,21 @@ def precedence(qconfig, groups: dict, model) -> tuple[list, list]:
 
 def winners(qconfig, rules, ignore, of, model):
     """``(name, module, group)`` of each module the config quantizes, in its one group:
-    compressed-tensors' ``match_named_modules`` on all the groups' targets, each module in
-    the group of the recipe's rule for it (:func:`precedence`); a module it takes no role
-    of (one holding the matched Linears, a norm) is left out, as compressed-tensors
-    quantizes only the Linear / Embedding layers a target matches."""
-    from ..calibration.recipe import Recipe
+    those of :func:`matched` the group's rule takes a role of (one holding the matched
+    Linears, a norm, is left out, as compressed-tensors quantizes only the Linear / Embedding
+    layers a target matches)."""
     from ..calibration.structure.placement import taken_roles
+
+    for name, module, group, rule in matched(qconfig, rules, ignore, of, model):
+        if taken_roles(name, module, rule, "compressed-tensors")[0]:
+            yield name, module, group
+
+
+def matched(qconfig, rules, ignore, of, model):
+    """``(name, module, group, rule)`` of each module the config groups' targets match:
+    compressed-tensors' ``match_named_modules`` on all the groups' targets, each module in
+    the group of the recipe's rule for it (:func:`precedence`)."""
+    from ..calibration.recipe import Recipe
 
     if not rules:  # a KV cache alone
         return
@@ -89,5 +98,5 @@ def winners(qconfig, rules, ignore, of, model):
     targets = [t for s in qconfig.config_groups.values() for t in s.targets]
     for name, module in match_named(model, targets, qconfig.ignore):
         rule = recipe.rule_for(name, module)
-        if rule is not None and taken_roles(name, module, rule, recipe.name)[0]:
-            yield name, module, of[index[id(rule)]]
+        if rule is not None:
+            yield name, module, of[index[id(rule)]], rule

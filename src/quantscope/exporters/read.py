@@ -33,7 +33,7 @@ from ..qparams import QParams
 from ..scales import nvfp4_global_scale
 from ..spec import QuantSpec
 from .atomic_swap import read_unchanged
-from .ct_match import match_named, precedence, winners
+from .ct_match import match_named, matched, precedence, winners
 from .experts import disk_to_module, fuse_expert_states, unfuse_for_reading
 from .read_checks import (
     SCALE_LEAVES,
@@ -453,7 +453,8 @@ def read_compressed_tensors(path):
     ignore = tuple(exact_pattern(n) for n in qconfig.ignore or ())
     layers = _by_layer(tensors)
     picked = list(winners(qconfig, rules, ignore, of, model))
-    refuse_attention_groups(f"from_compressed_tensors: {cfg_path}", picked, model)
+    refuse_attention_groups(f"from_compressed_tensors: {cfg_path}",  # (roles taken or not)
+                            [m[:3] for m in matched(qconfig, rules, ignore, of, model)], model)
     states = {name: _read_layer(name, module, g, groups[g], qconfig, layers, model, cfg_path)
               for name, module, g in picked}
     grouped = set(states)
