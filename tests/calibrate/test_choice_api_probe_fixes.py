@@ -63,6 +63,24 @@ def test_second_keep_float_adds_to_the_first():
         quantscope.keep_float(c, sens, 1, mode="dynamic")
 
 
+def test_second_keep_float_takes_the_first_ones_mode():
+    # probe s58: Outliers' default fallback is "dynamic" and keep_float's was "float", so a
+    # second one without mode= was refused; the earlier fallback's mode is the default now
+    model, batches = _mlp(8, 8, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = quantscope.calibrate(model, batches, "w8a8", outliers=Outliers(keep_float=1), **KW)
+        sens = quantscope.sensitivity(model, batches[:1], calibration=c, roles=("input",))
+    assert c.info["keep_float"]["mode"] == "dynamic"
+    k = quantscope.keep_float(c, sens, 1)
+    assert k.info["keep_float"]["mode"] == "dynamic" and k.info["keep_float"]["n"] == 2
+    dynamic = [layer for layer, roles in k.states.items()
+               if "input" in roles and roles["input"].dynamic]
+    assert len(dynamic) == 2
+    plain = quantscope.calibrate(model, batches, "w8a8", **KW)
+    assert quantscope.keep_float(plain, sens, 1).info["keep_float"]["mode"] == "float"
+
+
 @pytest.mark.parametrize("label", [8, None])
 def test_calibrate_many_refuses_a_non_str_label(label):
     model, batches = _mlp(8, 8)

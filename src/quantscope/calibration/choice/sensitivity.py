@@ -267,7 +267,7 @@ def _convolutions_of(sens: Sensitivity, calibration: Calibration) -> set[str]:
 
 
 def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
-               mode: str = "float") -> Calibration:
+               mode: str | None = None) -> Calibration:
     """A copy of ``calibration`` whose ``n`` most sensitive activations (input / output
     roles, ranked by ``sens``; those already dynamic do not count) are not statically
     quantized: left in float (``mode="float"``) or quantized per token at run time in the same
@@ -282,17 +282,19 @@ def keep_float(calibration: Calibration, sens: Sensitivity, n: int, *,
     (``info["keep_float"]["tensors"]`` lists every member); so do the gate / up (w13) inputs, and
     the down (w2) inputs, of all experts of one MoE module. Their report rows and histograms go (the
     report lists them apart); the rest, smoothing included, is the calibration's. On a calibration
-    with a fallback already, this one adds to it, in the same ``mode`` (``info["keep_float"]`` then
-    counts and lists both)."""
+    with a fallback already, this one adds to it, in its ``mode`` (the default there; else
+    ``"float"``; another is refused: ``info["keep_float"]`` then counts and lists both)."""
     for arg, value, kind in (("calibration", calibration, Calibration),
                              ("sens", sens, Sensitivity)):  # not an AttributeError inside
         if not isinstance(value, kind):
             raise TypeError(f"keep_float: {arg} must be a {kind.__name__}, got "
                             f"{type(value).__name__}")
     n = count_arg("keep_float", n)
+    earlier = calibration.info.get("keep_float") or {"n": 0, "mode": None, "tensors": []}
+    if mode is None:  # the earlier fallback's
+        mode = earlier["mode"] if earlier["tensors"] else "float"
     if mode not in FALLBACK_MODES:
         raise ValueError(f"keep_float: mode must be one of {FALLBACK_MODES}, got {mode!r}")
-    earlier = calibration.info.get("keep_float") or {"n": 0, "mode": mode, "tensors": []}
     if earlier["tensors"] and earlier["mode"] != mode:  # info / the report: one mode for all
         raise ValueError(f"keep_float: the calibration's earlier fallback runs "
                          f"{earlier['mode']!r}; a second one must too, got mode={mode!r}")
