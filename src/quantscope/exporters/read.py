@@ -454,7 +454,8 @@ def read_compressed_tensors(path):
     layers = _by_layer(tensors)
     picked = list(winners(qconfig, rules, ignore, of, model))
     refuse_attention_groups(f"from_compressed_tensors: {cfg_path}",  # (roles taken or not)
-                            [m[:3] for m in matched(qconfig, rules, ignore, of, model)], model)
+                            [m[:3] for m in matched(qconfig, rules, ignore, of, model)], model,
+                            qconfig)
     states = {name: _read_layer(name, module, g, groups[g], qconfig, layers, model, cfg_path)
               for name, module, g in picked}
     grouped = set(states)

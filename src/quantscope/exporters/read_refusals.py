@@ -41,17 +41,21 @@ _NOT_RUN = ("quantscope does not run attention quantization (its KV cache quanti
             "the attention otherwise than the runtime")
 
 
-def refuse_attention_groups(where: str, picked, model) -> None:
+def refuse_attention_groups(where: str, matched, model, qconfig) -> None:
     """Refuse a config group that takes one of ``model``'s cached attention modules
-    (``picked``: ``(name, module, group)`` of each module the config quantizes): compressed-
-    tensors quantizes the attention itself there, its queries too, with ``q_scale`` /
-    ``k_scale`` / ``v_scale`` on the module (not the ``input_scale`` a Linear's input
-    activations have)."""
+    (``matched``: ``(name, module, group)`` of each module the config's targets match):
+    compressed-tensors quantizes the attention itself there, its queries too, with
+    ``q_scale`` / ``k_scale`` / ``v_scale`` on the module (not the ``input_scale`` a Linear's
+    input activations have), where the group's targets match it narrowly (``is_narrow_match``:
+    not its parent, none of its children; ``re:model[.]layers[.].*`` takes only the Linears)."""
+    from compressed_tensors.utils.match import is_narrow_match
+
     from ..calibration.structure.kv_cache import attention_modules
 
     attention = attention_modules(model)
-    for name, module, group in picked:
-        if name in attention:
+    for name, module, group in matched:
+        if name in attention and is_narrow_match(model, qconfig.config_groups[group].targets,
+                                                 name, module):
             raise ValueError(
                 f"{where}: config_groups.{group} targets the attention module {name} "
                 f"({type(module).__name__}): compressed-tensors quantizes attention there, "
