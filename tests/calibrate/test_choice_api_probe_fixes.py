@@ -79,6 +79,11 @@ def test_second_keep_float_takes_the_first_ones_mode():
     assert len(dynamic) == 2
     plain = quantscope.calibrate(model, batches, "w8a8", **KW)
     assert quantscope.keep_float(plain, sens, 1).info["keep_float"]["mode"] == "float"
+    # s58 re-review: fallback_curve's own mode default was still "float"
+    from quantscope.calibration import fallback_curve
+
+    rows = fallback_curve(model, c, sens, lambda m: 1.0, ns=(0, 1))
+    assert [r["n"] for r in rows] == [0, 1]
 
 
 @pytest.mark.parametrize("label", [8, None])

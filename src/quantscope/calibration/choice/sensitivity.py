@@ -411,9 +411,10 @@ def _macs(model: nn.Module, layer: str) -> int:
 
 
 def fallback_curve(model: nn.Module, calibration: Calibration, sens: Sensitivity, evaluate,
-                   ns=(0, 1, 2, 4, 8, 16), *, mode: str = "float") -> list[dict]:
+                   ns=(0, 1, 2, 4, 8, 16), *, mode: str | None = None) -> list[dict]:
     """Quality over the fallback budget: for each ``n``, ``evaluate(model)`` (higher or lower
-    is better, as you define it) with :func:`keep_float` of ``n`` applied, and the share of the
+    is better, as you define it) with :func:`keep_float` of ``n`` applied (its ``mode``, by
+    default an earlier fallback's, else ``"float"``), and the share of the
     quantized layers' multiply-adds (weight elements) whose activations left static int (a
     layer counted once; an earlier fallback's too). Rows ``{"n", "quality", "float_macs_pct",
     "tensors"}``. ``evaluate`` returns a number (or a one-element tensor); a NaN or inf is
