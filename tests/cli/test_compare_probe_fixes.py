@@ -98,3 +98,13 @@ def test_compare_names_the_flag_that_names_nothing(tmp_path, capsys, flag):
     rc, _, err = _run(capsys, "compare", "--model", str(tmp_path), *[x for kv in args.items()
                                                                    for x in kv])
     assert rc == 2 and f"{flag} ',' names no {flag[2:-1]}" in err, err
+
+
+def test_plot_says_why_a_report_path_is_not_read(tmp_path, capsys):
+    import os
+
+    rc, _, err = _run(capsys, "plot", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "missing.json: no such file" in err, err
+    os.mkfifo(tmp_path / "report.json")  # exists, but no regular file (no blocking read)
+    rc, _, err = _run(capsys, "plot", str(tmp_path / "report.json"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "report.json: not a regular file" in err, err
