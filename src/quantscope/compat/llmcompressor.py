@@ -92,6 +92,7 @@ from ..estimators.mse import compat_patience, mse_search, shrink_factors
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import (
+    _ZERO_STAND_IN,
     HALF_SCALES,
     Observer,
     check_expanded_range,
@@ -225,7 +226,8 @@ class MemorylessMSEObserver(Observer):
                                  norm=self.norm, expand=self.expand,
                                  patience=compat_patience(self.patience), dtype_sums=True)
             return lo.reshape(shape), hi.reshape(shape)
-        res = mse_search(units, lo, hi, self._search_spec, maxshrink=self.maxshrink,
+        res = mse_search(units, lo, hi, _tiny_scales_kept(self._search_spec),
+                         maxshrink=self.maxshrink,
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,
                          compat="llmcompressor")
@@ -288,3 +290,9 @@ class NVFP4ExpandedIMatrixObserver(IMatrixMSEObserver):
 
     _imatrix_defaults: ClassVar[dict] = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8,
                                          "grid": 200, "norm": 2.4, "patience": 1000}
+
+
+def _tiny_scales_kept(spec):
+    """``spec`` with compressed-tensors' eps rule: only a zero candidate scale becomes eps
+    (quantscope's floor of float32's eps changed the candidates of ranges below ~1e-5)."""
+    return spec if spec.scale.is_block else spec.replace(eps=_ZERO_STAND_IN)

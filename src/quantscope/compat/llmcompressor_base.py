@@ -35,7 +35,7 @@ from . import UnsupportedInputError, enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration, mx_scale_in_dtype
 from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
 
-__all__ = ["HALF_SCALES", "MetaSearchError", "Observer", "check_expanded_range",
+__all__ = ["HALF_SCALES", "Observer", "check_expanded_range",
            "check_finite_statistics", "fused_amax", "global_scale_of", "half_qparams", "lerp",
            "qparams_of_statistics", "round_to_scale_dtype", "statistics_dtype", "statistics_units"]
 
@@ -303,21 +303,12 @@ def check_finite_statistics(observer, *values: torch.Tensor) -> None:
 
 def check_expanded_range(observer, lo: torch.Tensor, hi: torch.Tensor, expand: float) -> None:
     """Refuse finite ranges that a search's ``expand`` takes past float32 (llm-compressor's
-    then returns NaN scales, silently), naming ``observer``; and meta ones: a search prices
-    data (llm-compressor's raises ``RuntimeError`` at ``Tensor.item()``)."""
-    if lo.is_meta:
-        raise MetaSearchError(f"{_who(observer)}: the search prices candidates on data, and "
-                              f"meta tensors hold none (a min-max observer gives their shapes)")
+    then returns NaN scales, silently), naming ``observer``."""
     past = expansion_overflow(lo, hi, expand)
     if past is not None:
         raise ValueError(
             f"{_who(observer)}: expand={expand} takes the observed range past {past[1]}'s max "
             f"(max |x| = {past[0]:.3g}); llm-compressor returns NaN scales")
-
-
-class MetaSearchError(ValueError, RuntimeError):
-    """A search observer given meta tensors: a ``RuntimeError`` as llm-compressor's, and a
-    ``ValueError`` as quantscope's bad-input errors."""
 
 
 def statistics_dtype(observed: torch.Tensor) -> torch.dtype:
