@@ -23,7 +23,6 @@ def is_experts_3d(module: nn.Module) -> bool:
             and up.dim() == 3 and down.dim() == 3 and up.shape[0] == down.shape[0])
 
 
-
 def is_gated(module: nn.Module) -> bool:
     """An experts module whose ``gate_up_proj`` holds gate rows then up rows (not an
     ungated ``up_proj``)."""
@@ -61,8 +60,7 @@ def _view_linear(parent: nn.Module, name: str, e: int) -> nn.Linear:
 
 class _LiveSlices:
     """Expert ``e``'s weight (and bias) slices of ``parent``'s 3-D parameter ``name`` as the
-    module holds them now (an object, not a closure: pickling an applied model reaches the
-    handle's refusal, which names the MoE wiring)."""
+    module holds them now."""
 
     def __init__(self, parent: nn.Module, name: str, e: int, has_bias: bool):
         self.parent, self.name, self.e, self.has_bias = parent, name, e, has_bias
@@ -121,8 +119,7 @@ def _activate(parent, expert: Expert, h: torch.Tensor) -> torch.Tensor:
 
 
 class RoutedForward:
-    """The eager routing loop of transformers' experts modules, through the children (an
-    object, not a closure: pickling an applied model reaches the handle's refusal)."""
+    """The eager routing loop of transformers' experts modules, through the children."""
 
     def __init__(self, parent, n_exp: int, counts: list[int] | None, all_experts: bool):
         self.parent, self.n_exp, self.counts, self.all_experts = parent, n_exp, counts, all_experts
@@ -151,12 +148,9 @@ class RoutedForward:
         return out
 
 
-
 class DropViews:
     """A ``state_dict`` post-hook leaving out the per-expert views' keys: the 3-D parameters
-    hold the same values, and a model without views would refuse the keys when loading. An
-    object, not a closure: pickling an applied model then reaches the handle's refusal (which
-    names the MoE wiring), not pickle's 'Can't pickle local object'."""
+    hold the same values, and a model without views would refuse the keys when loading."""
 
     def __init__(self, n: int):
         self.n = n
