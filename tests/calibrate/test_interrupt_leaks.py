@@ -41,9 +41,9 @@ def _interrupt_second(monkeypatch, name):
     monkeypatch.setattr(moe, name, interrupted)
 
 
-# _Expert: while the 2nd expert's views are built; _drop_views: after every view and the
+# Expert: while the 2nd expert's views are built; DropViews: after every view and the
 # routed forward of the 2nd experts module are in place, before its state_dict hook
-@pytest.mark.parametrize("where", ["_Expert", "_drop_views"])
+@pytest.mark.parametrize("where", ["Expert", "DropViews"])
 def test_ctrl_c_while_attaching_expert_views_leaves_the_model_as_it_was(monkeypatch, where):
     model, batches = mixtral()
     before = _layout(model)
