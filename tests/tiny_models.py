@@ -183,3 +183,15 @@ def qwen3_moe(seed=0, layers=2, n_batches=3):
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i))
                for i in range(n_batches)]
     return model, batches
+
+
+def gpt_oss(seed=0):
+    """A 1-layer GptOss (4 experts with biases, top-2, transposed 3-D weights); 1 batch."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+                                    layer_types=["full_attention"])
+    return transformers.GptOssForCausalLM(cfg).eval(), [torch.randint(0, 100, (1, 6))]

@@ -15,16 +15,11 @@ from quantscope.calibration import Calibration, calibrate, preset
 from quantscope.calibration.run.batches import map_tensors, tensors_in
 
 transformers = pytest.importorskip("transformers")
-from tiny_models import llama
+from tiny_models import gpt_oss, llama
 
 
 def test_gpt_oss_expert_biases_run_under_apply():
-    torch.manual_seed(0)
-    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
-                                    layer_types=["full_attention"])
-    model = transformers.GptOssForCausalLM(cfg).eval()
+    model, _ = gpt_oss()
     with torch.no_grad():  # biases that matter (the default init is small)
         for name, p in model.named_parameters():
             if name.endswith("_bias") and "experts" in name:

@@ -8,15 +8,7 @@ from quantscope.calibration import calibrate, preset
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
-
-
-def gpt_oss():
-    torch.manual_seed(0)
-    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
-                                    layer_types=["full_attention"])
-    return transformers.GptOssForCausalLM(cfg).eval(), [torch.randint(0, 100, (1, 6))]
+from tiny_models import gpt_oss
 
 
 @pytest.mark.parametrize("ignore", [["re:.*experts.*"], ["*experts*"]])

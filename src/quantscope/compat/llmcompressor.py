@@ -213,6 +213,7 @@ class MemorylessMSEObserver(Observer):
         #: the half-precision dtypes whose candidates are priced as llm-compressor's are
         self._in_dtype = {dt for dt in HALF_SCALES if prices_in_dtype(spec, dt, strategy)}
         self._search_spec = unit_search_spec(spec)
+        self._float_search_spec = _tiny_scales_kept(self._search_spec)  # (mse_search's)
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = statistics_dtype(observed)  # first: it refuses complex data
@@ -226,8 +227,7 @@ class MemorylessMSEObserver(Observer):
                                  norm=self.norm, expand=self.expand,
                                  patience=compat_patience(self.patience), dtype_sums=True)
             return lo.reshape(shape), hi.reshape(shape)
-        res = mse_search(units, lo, hi, _tiny_scales_kept(self._search_spec),
-                         maxshrink=self.maxshrink,
+        res = mse_search(units, lo, hi, self._float_search_spec, maxshrink=self.maxshrink,
                          grid=self.grid, norm=self.norm, patience=self.patience,
                          expand=self.expand, per_unit_patience=False,
                          compat="llmcompressor")
