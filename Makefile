@@ -41,7 +41,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_modelopt_peers_s38.py tests/compat/test_modelopt_forward_s47.py \
 	tests/compat/test_modelopt_grid_floats.py \
 	tests/compat/test_quark_s39.py tests/compat/test_quark_float64_s58.py \
-	tests/compat/test_compat_probe_s58.py \
+	tests/compat/test_compat_probe_s58.py tests/compat/test_modelopt_bool_s59.py \
 	tests/compat/test_llmc_scale_dtype.py tests/compat/test_llmc_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_probe_fixes.py \
 	tests/compat/test_llmc_imatrix_dtypes.py tests/compat/test_llmc_mse_differential.py \

@@ -1,22 +1,23 @@
 """NVIDIA ModelOpt 0.47 (TensorRT pytorch-quantization) calibrators, with their names,
 signatures and ``collect`` / ``compute_amax`` / ``reset`` API.
 
-``MaxCalibrator(num_bits=8, axis=None, unsigned=False, track_amax=False)``: the running
-``max |x|``; ``axis`` names the axes KEPT (an int or a tuple, negative ones counted from the
-end; ``None`` or ``()``: per tensor), and ``compute_amax()`` returns ModelOpt's value, dtype
-and shape (the kept axes' sizes, the others 1; a 0-d tensor when it holds one value; None
-before data; ``_calib_amax`` reads the same). A batch whose amax shape changes is a
-``RuntimeError``, NaN / inf an :class:`ModelOptArgumentError` (an ``AssertionError``, as
-ModelOpt asserts). Integer tensors are taken (their amax in their dtype, as ModelOpt's),
-fp8 ones read as float32 (ModelOpt's upcast); batches of several dtypes give an amax in their
+``MaxCalibrator(num_bits=8, axis=None, unsigned=False, track_amax=False)``: the running ``max
+|x|``; ``axis`` names the axes KEPT (an int or a tuple, negative ones counted from the end;
+``None`` or ``()``: per tensor), and ``compute_amax()`` returns ModelOpt's value, dtype and
+shape (the kept axes' sizes, the others 1; a 0-d tensor when it holds one value; None before
+data; ``_calib_amax`` reads the same). A batch whose amax shape changes is a ``RuntimeError``,
+NaN / inf an :class:`ModelOptArgumentError` (an ``AssertionError``, as ModelOpt asserts), a
+bool one an :class:`~quantscope.compat.UnsupportedInputError` (a ``NotImplementedError`` as
+ModelOpt's ``abs``). Integer tensors are taken (their amax in their dtype, as ModelOpt's), fp8
+ones read as float32 (ModelOpt's upcast); batches of several dtypes give an amax in their
 promoted dtype (ModelOpt's ``torch.max``: float32 then fp16 is float32). An axis named twice
-(``(1, 1)``, or ``(1, -1)`` on 2-D) is kept once. A meta tensor gives a meta amax of that
-shape and dtype (ModelOpt's initialization branch: it replaces what was collected; a real
-batch after it is a ``RuntimeError``, as ModelOpt's).
+(``(1, 1)``, or ``(1, -1)`` on 2-D) is kept once. A meta tensor gives a meta amax of that shape
+and dtype (ModelOpt's initialization branch: it replaces what was collected; a real batch after
+it is a ``RuntimeError``, as ModelOpt's).
 
 ``HistogramCalibrator(num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
 skip_zeros=False, torch_hist=True)``: per tensor only (``axis`` is ModelOpt's
-``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer and fp8 tensors: of
+``NotImplementedError``); a ``num_bins`` histogram of ``|x|`` (integer, bool and fp8 tensors: of
 their float32 values, fp8 upcast as ``MaxCalibrator`` upcasts it) over the first batch's
 ``[0, max |x|]`` (``torch.histc``'s bins), later batches past it append bins of the same width,
 ``ceil(max |x| / w)`` in all as ModelOpt counts them in float32 (the native ``grid="first"``
@@ -141,6 +142,7 @@ from ..observers.registry import register
 from ..qparams import amax_of_range
 from ..stats import histogram as H
 from ..stats.minmax import holds_non_finite, unit_minmax
+from . import UnsupportedInputError
 from .horizon import AppendingFirstGrid
 from .modelopt_base import (
     ModelOptArgumentError,
@@ -242,6 +244,10 @@ class MaxCalibrator(ModelOptCalibrator, StaticMinMaxObserver):
         """Take ``x``'s ``max |x|`` over the axes not kept into the running max."""
         if not isinstance(x, torch.Tensor):
             self.check_input(x)  # its TypeError names what x is (before _view reads x.dim())
+        if x.dtype == torch.bool:  # ModelOpt's abs of a bool tensor fails
+            raise UnsupportedInputError("modelopt MaxCalibrator: collect(x): x is a bool "
+                                        "tensor, which has no |x| (ModelOpt's abs raises "
+                                        "NotImplementedError); expected numbers")
         if x.is_meta:
             return self._collect_meta(x)
         x = _upcast(x)
@@ -385,6 +391,8 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
     def collect(self, x: torch.Tensor) -> None:
         """Add ``|x|`` to the histogram (bins of the same width appended past its end)."""
         x = _float_values(_upcast(x))
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bool:  # ModelOpt bins its 0 / 1
+            x = x.float()
         # a CPU batch on the grid: forward's cached step, where self(x) is forward (a NaN /
         # inf batch is left to the checks below, nothing changed)
         if calls_forward(self) and first_step(self, x, HistogramObserverBase):
