@@ -1,8 +1,8 @@
 """NVIDIA ModelOpt 0.47 (TensorRT pytorch-quantization) calibrators, with their names,
 signatures and ``collect`` / ``compute_amax`` / ``reset`` API.
 
-``MaxCalibrator(num_bits=8, axis=None, unsigned=False, track_amax=False)``: the running ``max
-|x|``; ``axis`` names the axes KEPT (an int or a tuple, negative ones counted from the end;
+``MaxCalibrator(num_bits=8, axis=None, unsigned=False, track_amax=False)``: the running
+``max |x|``; ``axis`` names the axes KEPT (an int or a tuple, negative ones counted from the end;
 ``None`` or ``()``: per tensor), and ``compute_amax()`` returns ModelOpt's value, dtype and
 shape (the kept axes' sizes, the others 1; a 0-d tensor when it holds one value; None before
 data; ``_calib_amax`` reads the same). A batch whose amax shape changes is a ``RuntimeError``,
