@@ -299,7 +299,14 @@ def test_a_checked_stream_is_true_as_its_source_is():
     (torch.nested.nested_tensor([torch.ones(3), torch.ones(5)]), None),  # no sizes to read
     (torch.zeros(2, 12, 0), r"input has shape \(2, 12, 0\): its dimension 2 is empty, so"),
     (torch.zeros(2, 0, 8), r"input has shape \(2, 0, 8\): its dimension 1 is empty \(seq"),
-], ids=["0x0", "second-argument", "nested", "empty-features", "empty-sequences"])
+    # a dict's main input wherever it sits (s59: the mask first was read in its place)
+    ({"attention_mask": torch.ones(2, 8), "input_ids": torch.zeros(2, 0)},
+     r"input_ids has shape \(2, 0\)"),
+    ({"attention_mask": torch.ones(2, 8), "inputs_embeds": torch.zeros(2, 0, 4)},
+     r"inputs_embeds has shape \(2, 0, 4\)"),
+    ({"attention_mask": torch.zeros(2, 0), "input_ids": torch.ones(2, 8)}, None),
+], ids=["0x0", "second-argument", "nested", "empty-features", "empty-sequences",
+        "ids-after-mask", "embeds-after-mask", "mask-alone-empty"])
 def test_the_length_check_reads_the_input_alone(batch, said):
     from quantscope.calibration.run.batches import check_length
 

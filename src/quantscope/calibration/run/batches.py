@@ -197,13 +197,19 @@ class _LengthChecked:
         return bool(self.source)  # (not len's: a generator is true, as the source is)
 
 
+#: a keyword batch's main input, in this order: what :func:`check_length` reads first
+_MAIN_INPUTS = ("input_ids", "inputs_embeds")
+
+
 def check_length(batch, i: int, who: str = "calibrate") -> None:
-    """Raise where batch ``i``'s input (its first tensor: ``input_ids``, ``inputs_embeds``, the
-    first argument) has rows but an empty dimension after them (sequences of 0 tokens): the
-    model fails on it somewhere inside its forward (an attention's reshape), the sequential
-    pass elsewhere. A batch of 0 rows is not refused here (a plain module passes it through;
-    the model says whether it takes one), as before. Shapes only: no tensor is read."""
-    for name, value in batch_arguments(batch):
+    """Raise where batch ``i``'s input (a dict's ``input_ids`` or ``inputs_embeds`` wherever it
+    sits, else the first tensor) has rows but an empty dimension after them (sequences of 0
+    tokens): the model fails on it somewhere inside its forward (an attention's reshape), the
+    sequential pass elsewhere. A batch of 0 rows is not refused here (a plain module passes
+    it through; the model says whether it takes one), as before. Shapes only: no tensor is
+    read."""
+    arguments = batch_arguments(batch)  # the main input first, wherever a dict holds it
+    for name, value in sorted(arguments, key=lambda a: a[0] not in _MAIN_INPUTS):
         t = next(tensors_in(value), None)
         if t is None:
             continue
