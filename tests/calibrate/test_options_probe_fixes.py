@@ -70,6 +70,24 @@ def test_auto_candidates_must_not_be_empty():
     assert Auto(candidates=["minmax", "auto"]).candidates == ("minmax", "auto")
 
 
+def test_a_candidate_named_in_two_cases_runs_once():
+    # probe s59: ("mse", "MSE") were scored as two candidates (twice the forwards, two
+    # score labels) though the registry reads both as one observer
+    from quantscope.calibration.run.observe import candidates_for
+
+    assert candidates_for("input", ("mse", "MSE", "minmax", "Mse")) == ["mse", "minmax"]
+    assert candidates_for("weight", ("MSE", "memoryless_mse", "MINMAX")) == [
+        "memoryless_MSE", "memoryless_MINMAX"]  # the first spelling kept
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    infos = [calibrate(model, batches, "w8a8", observer="auto", progress=False,
+                       auto=Auto(candidates=names)).info["auto"]
+             for names in (("mse", "MSE", "Mse"), ("mse",))]
+    assert list(infos[0]["scores"]) == ["mse"] and infos[0]["scores"] == infos[1]["scores"]
+    assert infos[0]["score_forwards"] == infos[1]["score_forwards"]
+
+
 def test_auto_among_the_candidates_is_read_in_any_case():
     # review s51: "auto" was ignored but "AUTO" refused as an unknown observer, where every
     # other candidate name and observer="AUTO" everywhere else is read in any case

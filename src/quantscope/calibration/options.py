@@ -120,8 +120,9 @@ class Auto:
     """How ``observer="auto"`` chooses.
 
     Attributes:
-        candidates: the observers it chooses from, named in any case (None: those of
-            :data:`~.recipe.DEFAULT_CANDIDATES` that are registered; ``"auto"`` is ignored).
+        candidates: the observers it chooses from, named in any case (one named twice runs
+            once; None: those of :data:`~.recipe.DEFAULT_CANDIDATES` that are registered;
+            ``"auto"`` is ignored).
         metric: what it minimises: ``"model"`` (default) the divergence of the model's output
             from the float model's on ``score_tokens`` calibration tokens, among whole
             configurations (:mod:`.auto`); per layer, ``"joint"`` the layer's output error

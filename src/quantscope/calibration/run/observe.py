@@ -88,7 +88,7 @@ class Slot:
 def candidates_for(role: str, candidates) -> list[str]:
     explicit = candidates is not None
     names = list(DEFAULT_CANDIDATES if candidates is None else candidates)
-    out = []
+    out = {}  # by the name in lower case, the registry's key: "MSE" is "mse", run once
     for n in names:
         if folded(n) == AUTO:  # (any case, as the registry reads the others)
             continue
@@ -98,11 +98,12 @@ def candidates_for(role: str, candidates) -> list[str]:
             if explicit:
                 raise ValueError(f"calibrate: Auto.candidates names {n!r}: {e}") from None
             continue
-        out.append(weight_observer(n) if role == "weight" else n)
+        name = weight_observer(n) if role == "weight" else n
+        out.setdefault(name.lower(), name)
     if not out:
         raise ValueError(f"calibrate: observer 'auto' has no candidate observers for {role} "
                          f"(asked for {names})")
-    return list(dict.fromkeys(out))
+    return list(out.values())
 
 
 def observer_key(name, role_cfg: Role, module=None):
