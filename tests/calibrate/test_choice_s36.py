@@ -93,6 +93,31 @@ def test_layer_sensitivity_names_the_tensors_whose_layer_never_runs():
     assert ("mha.out_proj", "weight") in measure(model, xs, calib).top(10)
 
 
+def test_batches_of_zero_rows_are_named_as_such_by_both_rankings():
+    # probe s59: 0-row tensor batches were said to have all-0 attention masks (sensitivity)
+    # and layers whose forward never ran (layer_sensitivity); a model returning None was
+    # refused as "auto:" under sensitivity
+    model, xs, calib = _linear()
+    empty = [torch.zeros(0, 16)]
+    with pytest.raises(ValueError, match=r"^sensitivity: .*no real token \(batches of 0 rows"):
+        quantscope.sensitivity(model, empty, calibration=calib)
+    with pytest.warns(UserWarning, match=r"not ranked: their layer saw no row of batches "
+                                         r"\(batches of 0 rows"):
+        assert layer_sensitivity(model, empty, calib).rows == []
+
+    class _NoOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x):
+            self.lin(x)
+
+    with pytest.raises(TypeError, match=r"^cannot compare model outputs of type NoneType "
+                                        r"\(auto's and sensitivity's"):
+        quantscope.sensitivity(_NoOutput(), xs, "w8a8", **KW)
+
+
 def test_no_warning_where_every_layer_runs():
     model, xs, calib = _linear()
     with warnings.catch_warnings():

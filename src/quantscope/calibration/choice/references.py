@@ -35,8 +35,9 @@ def summary(out, mask):
     if hidden is None:
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"auto: cannot compare model outputs of type {type(out).__name__}; "
-                         f"pass loss=callable(output, reference_output, batch)")
+        raise TypeError(f"cannot compare model outputs of type {type(out).__name__} (auto's "
+                        f"and sensitivity's divergence reads logits, last_hidden_state or a "
+                        f"tensor); pass loss=callable(output, reference_output, batch)")
     hidden = hidden.double()
     if hidden.dim() == 3:
         m = (torch.ones(hidden.shape[:2], device=hidden.device) if mask is None

@@ -105,9 +105,9 @@ def no_batches_error() -> ValueError:
 def no_token_error(who: str) -> ValueError:
     """The error of scoring documents none of which holds a real token (:func:`with_tokens`),
     naming ``who``."""
-    return ValueError(f"{who}: the documents compared hold no real token (every attention "
-                      f"mask is all 0): nothing to compare the model's outputs on; give "
-                      f"batches with real tokens")
+    return ValueError(f"{who}: the documents compared hold no real token (batches of 0 "
+                      f"rows, or every attention mask all 0): nothing to compare the model's "
+                      f"outputs on; give batches with real tokens")
 
 
 def score_batches(batches, tokens: int):

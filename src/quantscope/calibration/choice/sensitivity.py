@@ -188,9 +188,10 @@ def _say_unmeasured(missed: list[tuple[str, str]]) -> None:
         names = ", ".join(f"{layer!r} {role}" for layer, role in missed[:8])
         more = f" and {len(missed) - 8} more" if len(missed) > 8 else ""
         warnings.warn(f"layer_sensitivity: {len(missed)} calibrated tensor(s) not ranked: "
-                      f"their layer's forward never ran on batches (e.g. MultiheadAttention's "
-                      f"out_proj, whose weight it reads without calling it; an MoE expert no "
-                      f"token was routed to): {names}{more}. quantscope.sensitivity (measure) "
+                      f"their layer saw no row of batches (batches of 0 rows; or its forward "
+                      f"never ran: MultiheadAttention's out_proj, whose weight it reads "
+                      f"without calling it; an MoE expert no token was routed to): "
+                      f"{names}{more}. quantscope.sensitivity (measure) "
                       f"ranks them by the model's output", stacklevel=outside_quantscope())
 
 
