@@ -92,13 +92,13 @@ from ..estimators.mse import compat_patience, mse_search, shrink_factors
 from ..stats.minmax import unit_minmax
 from . import enum_name, field
 from .llmcompressor_base import (
-    _ZERO_STAND_IN,
     HALF_SCALES,
     Observer,
     check_expanded_range,
     lerp,
     statistics_dtype,
     statistics_units,
+    tiny_scales_kept,
 )
 from .llmcompressor_imatrix import IMatrixMixin, half_search, prices_in_dtype
 from .llmcompressor_parts import (
@@ -213,7 +213,7 @@ class MemorylessMSEObserver(Observer):
         #: the half-precision dtypes whose candidates are priced as llm-compressor's are
         self._in_dtype = {dt for dt in HALF_SCALES if prices_in_dtype(spec, dt, strategy)}
         self._search_spec = unit_search_spec(spec)
-        self._float_search_spec = _tiny_scales_kept(self._search_spec)  # (mse_search's)
+        self._float_search_spec = tiny_scales_kept(self._search_spec)  # (mse_search's)
 
     def _search(self, observed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = statistics_dtype(observed)  # first: it refuses complex data
@@ -290,9 +290,3 @@ class NVFP4ExpandedIMatrixObserver(IMatrixMSEObserver):
 
     _imatrix_defaults: ClassVar[dict] = {"expand": 1.8, "maxshrink": 1 - 0.8 / 1.8,
                                          "grid": 200, "norm": 2.4, "patience": 1000}
-
-
-def _tiny_scales_kept(spec):
-    """``spec`` with compressed-tensors' eps rule: only a zero candidate scale becomes eps
-    (quantscope's floor of float32's eps changed the candidates of ranges below ~1e-5)."""
-    return spec if spec.scale.is_block else spec.replace(eps=_ZERO_STAND_IN)

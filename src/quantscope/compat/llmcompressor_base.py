@@ -369,6 +369,15 @@ def fused_amax(statistics: list[dict]) -> torch.Tensor:
 _ZERO_STAND_IN = 2.0 ** -149
 
 
+def tiny_scales_kept(spec: QuantSpec) -> QuantSpec:
+    """A search's spec with compressed-tensors' eps rule: only a zero candidate scale becomes
+    eps (quantscope's floor of float32's eps changed the candidates of ranges below ~1e-5).
+    NVFP4's are priced as theirs, float32 without the global scale; MX's E8M0 as encoded."""
+    if spec.scale.has_global_scale:
+        return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
+    return spec if spec.scale.is_block else spec.replace(eps=_ZERO_STAND_IN)
+
+
 def _ct_eps(args, dtype: torch.dtype) -> float:
     """compressed-tensors' ``_get_dtype_eps`` of ``scale_dtype`` (else the scales' dtype)."""
     dtype = scale_dtype(args) or dtype

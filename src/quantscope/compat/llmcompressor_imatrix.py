@@ -59,6 +59,7 @@ from .llmcompressor_base import (
     round_to_scale_dtype,
     statistics_dtype,
     statistics_units,
+    tiny_scales_kept,
 )
 from .llmcompressor_parts import flatten_for_calibration, mx_scale_in_dtype
 from .llmcompressor_spec import search_spec, unit_search_spec
@@ -191,8 +192,8 @@ class IMatrixMixin:
         in_dtype = prices_in_dtype(spec, observed.dtype, strategy)
         # tensor_group: theirs prices float32 scales (the global scale cancels). Others keep
         # their scale encoding, MX's E8M0 block scales too (theirs prices with its scale_dtype)
-        spec = spec.replace(layout=Channel(0), scale="fp32") if strategy == "tensor_group" \
-            else unit_search_spec(spec)
+        spec = tiny_scales_kept(spec.replace(layout=Channel(0), scale="fp32")
+                                if strategy == "tensor_group" else unit_search_spec(spec))
         return imatrix_search(observed, importance, spec,
                               maxshrink=self.maxshrink, patience=self._search_patience,
                               grid=self.grid, norm=self.norm, expand=self.expand,
