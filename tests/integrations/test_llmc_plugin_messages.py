@@ -79,3 +79,21 @@ def test_qparams_before_any_data_is_llmcompressors_error(name, fields):
             obs.get_qparams()
         said.append(str(e.value))
     assert said[0] == said[1] and "No statistics available" in said[1]
+
+
+@pytest.mark.parametrize(("base_name", "fields", "said"), [
+    ("k", {"num_bits": 8, "type": "float", "symmetric": False, "strategy": "tensor",
+           "dynamic": False}, "fp8_e4m3 is a float format and is symmetric only"),
+    ("weight", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                "scale_dtype": torch.int8}, "quantscope has no integer scale encoding"),
+], ids=["asymmetric-fp8-kv", "int8-scale-dtype"])
+def test_a_scheme_no_spec_takes_is_refused_naming_the_observer_and_the_recipe(
+        base_name, fields, said):
+    # probe s59: the spec's own error came bare, naming neither (an observer_kwargs one did)
+    args = QuantizationArgs(**fields)
+    with pytest.raises(ValueError) as e:
+        Observer.load_from_registry("quantscope_static_minmax", base_name=base_name, args=args)
+    text = str(e.value)
+    assert text.startswith("observer quantscope_static_minmax for "
+                           f"{recipe_args(args, base_name)}: "), text
+    assert said in text, text

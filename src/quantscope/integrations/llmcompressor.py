@@ -127,13 +127,12 @@ class QuantscopeObserver(Observer):
 
     def __init__(self, base_name: str, args, **observer_kwargs):
         super().__init__(base_name, args, **observer_kwargs)
-        spec = units_spec(self.args, base_name)
         cls = observer_class(self.quantscope_name)
-        if getattr(cls, "symmetric_only", False) and not spec.symmetric:
-            raise ValueError(f"observer {PREFIX}{self.quantscope_name} searches symmetric ranges "
-                             f"only; the recipe's {recipe_args(self.args, base_name)} are "
-                             f"asymmetric: use {PREFIX}memoryless_mse or {PREFIX}mse for them")
-        try:  # an unknown key, a bad value: in the recipe's words, then the observer's
+        try:  # a scheme, an unknown key, a bad value: in the recipe's words, then the observer's
+            spec = units_spec(self.args, base_name)
+            if getattr(cls, "symmetric_only", False) and not spec.symmetric:
+                raise ValueError(f"it searches symmetric ranges only, these are asymmetric: use "
+                                 f"{PREFIX}memoryless_mse or {PREFIX}mse for them")
             kwargs = self._take_llmcompressor_options(dict(self.args.observer_kwargs))
             self._make = functools.partial(cls, spec, **kwargs)  # (again: see below)
             object.__setattr__(self, "quantscope", self._make())  # no submodule: no state
