@@ -53,8 +53,10 @@ Where the results differ from llm-compressor's, by choice:
   in ``forward``, as quantscope's native observers refuse it; llm-compressor's give NaN /
   inf scales. float32 statistics: bit for bit (tiny scales kept, only 0 ones made their eps).
 * float64 statistics: the scales are float64 (their dtype and eps) but computed in float32
-  (quantscope's formulas are float32): within float32's rounding; finite values beyond
-  float32's range raise ``ValueError`` naming the observer.
+  (quantscope's formulas are float32): within float32's rounding, but an MSE search may
+  choose another candidate where candidates tie in float32 and not in float64 (a constant
+  row: 12 % off theirs, both near exact on it); finite values beyond float32's range raise
+  ``ValueError`` naming the observer.
 * MXFP8: compressed-tensors rounds the block amax with fp4's one mantissa bit for every
   element type; quantscope's E8M0 ``even`` rule uses the element's own (three for e4m3),
   so a block whose amax has a mantissa in ``[1.5, 1.9375)`` gets half their scale.
