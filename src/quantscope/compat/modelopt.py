@@ -391,8 +391,6 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
     def collect(self, x: torch.Tensor) -> None:
         """Add ``|x|`` to the histogram (bins of the same width appended past its end)."""
         x = _float_values(_upcast(x))
-        if isinstance(x, torch.Tensor) and x.dtype == torch.bool:  # ModelOpt bins its 0 / 1
-            x = x.float()
         # a CPU batch on the grid: forward's cached step, where self(x) is forward (a NaN /
         # inf batch is left to the checks below, nothing changed)
         if calls_forward(self) and first_step(self, x, HistogramObserverBase):

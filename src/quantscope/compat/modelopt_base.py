@@ -34,9 +34,10 @@ def _upcast(x):
 
 
 def _float_values(x):
-    """``x`` as the native observer reads it: an integer tensor as its float32 values (ModelOpt
-    takes them); anything else as it is (the native checks name what is wrong)."""
-    return x.float() if _is_integer(x) else x
+    """``x`` as the native observer reads it: an integer or bool tensor as its float32 values
+    (ModelOpt's histogram takes them; its ``MaxCalibrator`` refuses bool first); anything else
+    as it is (the native checks name what is wrong)."""
+    return x.float() if _is_integer(x) or getattr(x, "dtype", None) == torch.bool else x
 
 
 def _squeezed(shape: tuple) -> tuple:
