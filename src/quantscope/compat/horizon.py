@@ -349,17 +349,24 @@ class AppendingFirstGrid:
             self._store(("hist_counts",), (torch.constant_pad_nd(counts, (0, pad)),))
         return True
 
+    def _grown_to(self, nb: int, amax: torch.Tensor) -> bool:
+        """Whether data of ``amax`` (per unit) grew this grid to ``nb`` bins (its last growth
+        may append ``MIN_APPEND`` more than it needs)."""
+        need = float(self._bins_needed(amax))
+        return bool((amax > self.hist_hi).all()) and need <= nb <= need + self.MIN_APPEND
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         nb = self.hist_counts.shape[-1]
-        # more than bins: a grown first grid, whose data passed its first top (else a state
-        # of other bins, whose top hist_hi / bins * nb would be misread)
-        if nb > self.bins and not self.hist_hi.is_meta and not (self._linear and bool(
-                (amax_of_range(*self._data_range()) > self.hist_hi).all())):
+        # more than bins: a grown first grid, as many bins of width hist_hi / bins as its data
+        # needs (else a state of other bins, whose grid would be misread at this width)
+        if nb > self.bins and not self.hist_hi.is_meta and not (self._linear and self._grown_to(
+                nb, amax_of_range(*self._data_range()))):
             self.reset()
             raise ValueError(f"{record.at(self.describe(), prefix)}: cannot load a histogram "
                              f"of {nb} bins into one of bins={self.bins}; construct the "
-                             f"observer with bins={nb}")
+                             f"observer with the bins it was saved with (bins={nb}, or fewer "
+                             f"where its grid grew past its first batch's top)")
 
 
 @register("horizon:KLObserver")
