@@ -338,9 +338,9 @@ class HistogramObserverBase(ScaledEstimate, IntervalAverage, Observer):
 
     def sync_plan(self):
         if self.averaging_constant is not None:  # exact with sync_every_step, else AVG
-            # the batches since the last estimate join this rank's average first: it then
-            # covers all this rank saw, and no rank folds its own after the sync
-            if self._pending:
+            # this rank's batches since the last estimate join its average first (none folds
+            # its own after the sync); step-synced ranks agree already: their interval goes on
+            if self._pending and not self.sync_every_step:
                 self._ema_step()
             return [("min_vals", MIN), ("max_vals", MAX), ("ema_lo", AVG), ("ema_hi", AVG)]
         if self.grid == "first":  # a config, the same on every rank: no rank waits
