@@ -203,16 +203,22 @@ AGREED = ("sampling.tokens", "sampling.budget_mb", "auto.candidates", "auto.metr
           "runtime.time_groups")
 
 
-def check_same_options(opts, group=None) -> None:
+def check_same_options(opts, group=None, recipes=None) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank gives the same
-    :data:`AGREED` options (``opts``: the call's ``Options``): one rank scoring auto on the
-    model's output, or smoothing, runs exchanges the others do not (gloo then aborts or waits
-    out its timeout); keep_float or the sample size on one rank gives the ranks different
-    results. A loss counts by whether it is given. One tiny all_gather; names the first
-    option that differs, with each rank's value."""
+    :data:`AGREED` options (``opts``: the call's ``Options``) and ``recipes`` (``{label:
+    Recipe}``, by their ``to_dict``: an observer's option on one rank, a percentile, gave the
+    ranks different or mixed results): one rank scoring auto on the model's output, or
+    smoothing, runs exchanges the others do not (gloo then aborts or waits out its timeout);
+    keep_float or the sample size on one rank gives the ranks different results. A loss
+    counts by whether it is given. One tiny all_gather; names the first option that
+    differs, with each rank's value."""
     if not is_distributed(group):
         return
     values, given = {}, {}  # compared; as given (the message)
+    for label, recipe in (recipes or {}).items():  # leaf by leaf: the message names one
+        for where, v in _leaves(recipe.to_dict(), f"recipe {label!r}: "):
+            plain = v is None or isinstance(v, (str, int, float))  # (a tensor: its repr)
+            values[where], given[where] = _canonical(v) if plain else repr(v), v
     for path in AGREED:
         kind, name = path.split(".")
         v = getattr(getattr(opts, kind), name)
@@ -227,11 +233,14 @@ def check_same_options(opts, group=None) -> None:
     every: list = [None] * world_size(group)  # only on a mismatch: name the difference
     dist.all_gather_object(every, (values, {k: repr(v) for k, v in given.items()}),
                            group=group)
-    odd = next((k for k in values if any(e[0][k] != every[0][0][k] for e in every)), None)
+    keys = dict.fromkeys(k for e in every for k in e[0])  # (recipes: not on every rank)
+    odd = next((k for k in keys if any(e[0].get(k, _ABSENT) != every[0][0].get(k, _ABSENT)
+                                       for e in every)), None)
     if odd is None:  # (a value whose repr is not canonical: equal, let it pass)
         return
+    said = (f"{e[1].get(odd, 'absent')} on rank {r}" for r, e in enumerate(every))
     raise ValueError(f"calibrate: the ranks give different options: {odd} is "
-                     f"{', '.join(f'{e[1][odd]} on rank {r}' for r, e in enumerate(every))}; "
+                     f"{', '.join(said)}; "
                      f"every rank of a distributed calibration must give the same options "
                      f"(they decide its exchanges and its result)")
 
@@ -249,6 +258,22 @@ def _canonical(v):
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
     return v
+
+
+_ABSENT = "(absent)"  # a recipe's leaf one rank's recipe lacks
+
+
+def _leaves(v, path: str):
+    """``(path, value)`` of each leaf of a recipe's ``to_dict``, in its order (a rule's place
+    decides what it matches): ``rules[0].input.options.percentile``."""
+    if isinstance(v, Mapping) and v:
+        for k, x in v.items():
+            yield from _leaves(x, f"{path}.{k}" if path[-1:] != " " else f"{path}{k}")
+    elif isinstance(v, (list, tuple)) and v:
+        for i, x in enumerate(v):
+            yield from _leaves(x, f"{path}[{i}]")
+    else:
+        yield path, v
 
 
 def check_same_weights(weights: dict, group=None) -> None:

@@ -168,7 +168,7 @@ def _calibrate_with(model, batches, recipes, opts: Options, top=False) -> dict[s
             # candidates calibrate through inner calls
             warn_unused_moe(recipes, opts.moe, _moe.has_experts(model, recipes.values()))
     if top and opts.runtime.distributed:  # every rank here: its checks passed on all
-        check_same_options(opts, opts.runtime.group)
+        check_same_options(opts, opts.runtime.group, recipes)
         # one collective on every rank, whatever its recipes (a rank not scoring adds 1)
         given = qd.all_sum(len(head) if scored else 1, opts.runtime.group)
         if scored and not given:  # no batch on any rank: one process's error, before a pass
