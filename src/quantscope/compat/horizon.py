@@ -13,9 +13,11 @@ averages its own batches), and ``calculate_qparams()``, inside an initialised pr
 min with MIN, the max with MAX) and computes the qparams from them: every call of it is a
 collective, and the merged ends are what later batches average into. As Horizon's, a read
 takes the ends of the finished intervals (KL's ``update_interval``: the batches of an
-unfinished one wait), and before there are any (no data, or no KL interval finished)
-returns the default ``(1.0, 0)`` with a warning; such a rank takes no part in the
-all-reduce, so the other ranks wait for it in theirs: read once every rank has ends.
+unfinished one wait, but quantscope's ``sync_observers`` folds them into the rank's average
+first, unless the observer is step-synced: docs/guide/distributed.md), and before there
+are any (no data, or no KL interval finished) returns the default ``(1.0, 0)`` with a
+warning; such a rank takes no part in the all-reduce, so the other ranks wait for it in
+theirs: read once every rank has ends.
 ``calculate_qparams()`` returns ``(scale, zero_point)``: float32 scale and int64 zero point
 of shape ``(1,)`` per tensor, ``(C,)`` per channel. Ends a clip crossed (a constant or narrow
 one-signed batch: ``max(min, -clip) > min(max, clip)``) stay as Horizon's, and the scale is
