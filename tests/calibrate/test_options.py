@@ -272,6 +272,22 @@ def test_a_cache_dir_this_machine_lacks_is_refused_when_calibration_starts(tmp_p
         calibrate(model, batches, "w8a8", progress=False, sequential=seq)
 
 
+def test_a_cache_dir_no_folder_can_be_made_in_is_named(monkeypatch, tmp_path):
+    # probe s59: a read-only or special file system (/proc, /sys) gave mkdtemp's bare OSError
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    model, batches = _llama()
+    with pytest.raises(ValueError, match=r"^calibrate: cannot make the spill folder in "
+                                         r"Sequential\.cache_dir .* \(Operation not permitted\)"):
+        calibrate(model, batches, "w8a8", progress=False,
+                  sequential=Sequential(cache_budget_mb=0, cache_dir=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["sampling", "auto", "moe", "outliers", "runtime"])
 @pytest.mark.parametrize("value", [{}, 0, [], "", False])
 def test_a_falsy_value_of_another_type_is_refused_not_taken_for_the_defaults(name, value):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 import threading
 from pathlib import Path
 
@@ -101,6 +102,19 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def spill_folder(cache_dir) -> str:
+    """A new spill folder in ``cache_dir`` (None: the system's temporary folder); one that
+    cannot be made there (a read-only or special file system) is a ``ValueError`` naming it."""
+    try:
+        return tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
+    except OSError as e:
+        where = (f"Sequential.cache_dir {os.fspath(cache_dir)!r}" if cache_dir is not None
+                 else f"the system's temporary folder {tempfile.gettempdir()!r}")
+        raise ValueError(f"calibrate: cannot make the spill folder in {where} ({e.strerror});"
+                         f" give Sequential(cache_dir=) a folder this process can write"
+                         ) from None
 
 
 class Terminated(BaseException):

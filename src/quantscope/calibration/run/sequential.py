@@ -37,7 +37,6 @@ import functools
 import gc
 import json
 import shutil
-import tempfile
 import time
 
 import torch
@@ -49,7 +48,7 @@ from . import heap
 from .batches import batch_count, eval_mode, forward_batch, map_tensors
 from .block_order import NotAChain, check_disjoint, find_blocks, free_zeros, trace_batches
 from .checkpoint import Checkpoint, is_meta, load_params, open_checkpoint, unload_params
-from .seq_cache import Cache, Contexts, sigterm_unwinds
+from .seq_cache import Cache, Contexts, sigterm_unwinds, spill_folder
 
 __all__ = ["DEFAULT_CACHE_BUDGET_MB", "MODES", "batch_source", "calibrate_sequential",
            "find_blocks"]
@@ -262,7 +261,7 @@ def _restoring(run, layers, originals, cache_dir):
     removed."""
     with sigterm_unwinds() as unwinding:
         try:
-            run.folder = tempfile.mkdtemp(prefix="quantscope-seq-", dir=cache_dir)
+            run.folder = spill_folder(cache_dir)
             yield
         finally:
             unwinding.quiet = True  # a SIGTERM from here waits for the cleanup's end
