@@ -128,14 +128,20 @@ def _every_rank_raises(ranks, key, *parts):
 
 
 def test_a_rank_syncing_no_observers_raises_with_the_others(ranks):
-    for key in ("sync/direct", "sync/calibrate"):
-        _every_rank_raises(ranks, key, "ValueError: sync: the ranks sync different observers")
+    _every_rank_raises(ranks, "sync/direct", "ValueError: sync: the ranks sync different "
+                       "observers")
+    # calibrate compares the recipes first (s59), before any observer syncs
+    errs = _every_rank_raises(ranks, "sync/calibrate", "ValueError: calibrate: the ranks give "
+                              "different options: the recipe (by label) is ('w8a8',) on rank "
+                              "0, ('w8a8-dynamic',) on rank 1")
+    assert errs[0] == errs[1]
 
 
 def test_recipes_matching_different_layers_raise_a_value_error_everywhere(ranks):
-    errs = _every_rank_raises(ranks, "layers", "ValueError: calibrate: the ranks' recipes "
-                              "match different layers (layer '2' input is planned on rank(s) "
-                              "[0] only")
+    # calibrate compares the recipes first (s59): what makes them match other layers
+    errs = _every_rank_raises(ranks, "layers", "ValueError: calibrate: the ranks give "
+                              "different options: recipe 'w8a8': ignore is [] on rank 0, ['2'] "
+                              "on rank 1")
     assert errs[0] == errs[1]
 
 

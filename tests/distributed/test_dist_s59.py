@@ -77,8 +77,14 @@ def _recipes_apart(r, out):
 
 
 def _scenarios(r, out):
+    from quantscope.calibration.run.gather import check_same_slots
+
     _step_synced(r, out)
     _recipes_apart(r, out)
+    # the later check, for ranks whose equal recipes match different layers (other models):
+    # the recipes' own comparison now comes first in calibrate
+    out["slots"] = error_text(check_same_slots, [("0", "input"), ("2", "input")] if r == 0
+                              else [("0", "input")])
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,10 @@ def test_recipes_apart_in_an_observer_option_raise_on_every_rank_naming_it(ranks
                       "rank 1; every rank of a distributed calibration must give the same "
                       "options (they decide its exchanges and its result)"), got[0]
     assert rank_results(ranks, "same") == [None, None]  # 99 and 99.0: one percentile
+
+
+def test_ranks_planning_different_layers_are_told_which(ranks):
+    got = rank_results(ranks, "slots")
+    assert got[0] == got[1] and got[0].startswith(
+        "ValueError: calibrate: the ranks' recipes match different layers (layer '2' input is "
+        "planned on rank(s) [0] only"), got

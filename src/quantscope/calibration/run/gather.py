@@ -215,10 +215,12 @@ def check_same_options(opts, group=None, recipes=None) -> None:
     if not is_distributed(group):
         return
     values, given = {}, {}  # compared; as given (the message)
+    if recipes is not None:
+        values["the recipe (by label)"] = given["the recipe (by label)"] = tuple(recipes)
     for label, recipe in (recipes or {}).items():  # leaf by leaf: the message names one
         for where, v in _leaves(recipe.to_dict(), f"recipe {label!r}: "):
-            plain = v is None or isinstance(v, (str, int, float))  # (a tensor: its repr)
-            values[where], given[where] = _canonical(v) if plain else repr(v), v
+            plain = v is None or isinstance(v, (str, int, float, list, tuple))
+            values[where], given[where] = _canonical(v) if plain else repr(v), v  # (a tensor)
     for path in AGREED:
         kind, name = path.split(".")
         v = getattr(getattr(opts, kind), name)
@@ -264,12 +266,13 @@ _ABSENT = "(absent)"  # a recipe's leaf one rank's recipe lacks
 
 
 def _leaves(v, path: str):
-    """``(path, value)`` of each leaf of a recipe's ``to_dict``, in its order (a rule's place
-    decides what it matches): ``rules[0].input.options.percentile``."""
+    """``(path, value)`` of each field of a recipe's ``to_dict``, in its order (a rule's place
+    decides what it matches): ``rules[0].input.options.percentile``; a list of plain values
+    (``ignore``, ``targets``) is one."""
     if isinstance(v, Mapping) and v:
         for k, x in v.items():
             yield from _leaves(x, f"{path}.{k}" if path[-1:] != " " else f"{path}{k}")
-    elif isinstance(v, (list, tuple)) and v:
+    elif isinstance(v, (list, tuple)) and any(isinstance(x, Mapping) for x in v):
         for i, x in enumerate(v):
             yield from _leaves(x, f"{path}[{i}]")
     else:
