@@ -85,3 +85,18 @@ def test_imatrix_searches_keep_tiny_scales(name, args, magnitude):
             obs.detach(lin)
             got.append(obs.get_qparams())
     _assert_same(*got)
+
+
+@pytest.mark.parametrize("fields", [{"num_bits": 8, "type": "int", "symmetric": True,
+                                     "group_size": -1},
+                                    {"num_bits": 4, "type": "int", "symmetric": True}])
+def test_dict_args_without_a_strategy_take_compressed_tensors_default(fields):
+    # probe s59: a dict's group_size=-1 was per tensor, compressed-tensors' per channel
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    got = []
+    with _quiet():
+        for cls, args in ((Theirs, QuantizationArgs(**fields)), (Ours, dict(fields))):
+            obs = cls.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+            obs(w)
+            got.append(obs.get_qparams())
+    _assert_same(*got)

@@ -100,7 +100,6 @@ from .llmcompressor_base import (
     lerp,
     statistics_dtype,
     statistics_units,
-    tiny_scales_kept,
 )
 from .llmcompressor_imatrix import IMatrixMixin, half_search, prices_in_dtype
 from .llmcompressor_parts import (
@@ -109,7 +108,7 @@ from .llmcompressor_parts import (
     flatten_for_calibration,
     fuse_weight_observers,
 )
-from .llmcompressor_spec import llmcompressor_spec, search_spec, unit_search_spec
+from .llmcompressor_spec import llmcompressor_spec, search_spec, tiny_scales_kept, unit_search_spec
 
 __all__ = [
     "FUSED_LAYER_NAMES",

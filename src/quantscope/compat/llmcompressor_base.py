@@ -33,7 +33,14 @@ from ..spec import QuantSpec
 from ..stats.minmax import ema_
 from . import UnsupportedInputError, enum_name, field
 from .llmcompressor_parts import FusionHandler, flatten_for_calibration, mx_scale_in_dtype
-from .llmcompressor_spec import llmcompressor_spec, scale_dtype, scales_times_global_scale, zp_dtype
+from .llmcompressor_spec import (
+    _ZERO_STAND_IN,
+    default_strategy,
+    llmcompressor_spec,
+    scale_dtype,
+    scales_times_global_scale,
+    zp_dtype,
+)
 
 __all__ = ["HALF_SCALES", "Observer", "check_expanded_range",
            "check_finite_statistics", "fused_amax", "global_scale_of", "half_qparams", "lerp",
@@ -112,9 +119,11 @@ def _aliases(parent: type) -> list[str]:
 
 
 def _as_args(args):
-    """A dict of ``QuantizationArgs`` fields as an object (the classes read attributes)."""
+    """A dict of ``QuantizationArgs`` fields as an object (the classes read attributes; no
+    strategy: compressed-tensors' default)."""
     if isinstance(args, dict):
-        return SimpleNamespace(**{"strategy": None, "observer_kwargs": None, **args})
+        args = SimpleNamespace(**{"strategy": None, "observer_kwargs": None, **args})
+        args.strategy = args.strategy or default_strategy(getattr(args, "group_size", None))
     return args
 
 
@@ -362,20 +371,6 @@ def fused_amax(statistics: list[dict]) -> torch.Tensor:
     """The largest ``|min|`` / ``max`` over a fusion group's statistics (NVFP4's global amax)."""
     return torch.stack([amax_of_range(s["min_vals"].min().float(), s["max_vals"].max().float())
                         for s in statistics]).max()
-
-
-#: the smallest positive float32: as the spec's min scale it changes only zero scales, which
-#: then stand out (compressed-tensors replaces exact zeros by eps, keeps tiny scales)
-_ZERO_STAND_IN = 2.0 ** -149
-
-
-def tiny_scales_kept(spec: QuantSpec) -> QuantSpec:
-    """A search's spec with compressed-tensors' eps rule: only a zero candidate scale becomes
-    eps (quantscope's floor of float32's eps changed the candidates of ranges below ~1e-5).
-    NVFP4's are priced as theirs, float32 without the global scale; MX's E8M0 as encoded."""
-    if spec.scale.has_global_scale:
-        return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
-    return spec if spec.scale.is_block else spec.replace(eps=_ZERO_STAND_IN)
 
 
 def _ct_eps(args, dtype: torch.dtype) -> float:

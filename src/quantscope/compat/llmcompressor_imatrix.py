@@ -59,10 +59,9 @@ from .llmcompressor_base import (
     round_to_scale_dtype,
     statistics_dtype,
     statistics_units,
-    tiny_scales_kept,
 )
 from .llmcompressor_parts import flatten_for_calibration, mx_scale_in_dtype
-from .llmcompressor_spec import search_spec, unit_search_spec
+from .llmcompressor_spec import search_spec, tiny_scales_kept, unit_search_spec
 
 __all__ = ["IMatrixMixin", "candidate_qparams", "half_fake_quantize", "half_qparams",
            "half_search", "imatrix_search", "prices_in_dtype"]

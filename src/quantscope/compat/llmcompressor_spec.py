@@ -69,6 +69,26 @@ def unit_search_spec(spec: QuantSpec) -> QuantSpec:
     return spec.replace(layout=Block(spec.layout.size) if spec.scale.is_block else Channel(0))
 
 
+#: the smallest positive float32: as the spec's min scale it changes only zero scales, which
+#: then stand out (compressed-tensors replaces exact zeros by eps, keeps tiny scales)
+_ZERO_STAND_IN = 2.0 ** -149
+
+
+def tiny_scales_kept(spec: QuantSpec) -> QuantSpec:
+    """A search's spec with compressed-tensors' eps rule: only a zero candidate scale becomes
+    eps (quantscope's floor of float32's eps changed the candidates of ranges below ~1e-5).
+    NVFP4's are priced as theirs, float32 without the global scale; MX's E8M0 as encoded."""
+    if spec.scale.has_global_scale:
+        return spec.replace(scale="fp32", eps=_ZERO_STAND_IN)
+    return spec if spec.scale.is_block else spec.replace(eps=_ZERO_STAND_IN)
+
+
+def default_strategy(group_size) -> str:
+    """compressed-tensors' strategy of args that name none: ``group`` where a group size is
+    given, ``channel`` for its -1 (one group a row), else ``tensor``."""
+    return {None: "tensor", -1: "channel"}.get(group_size, "group")
+
+
 def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.dtype | None
                ) -> QuantSpec:
     """:func:`llmcompressor_spec` with the scale dtype given."""
@@ -78,8 +98,8 @@ def _translate(args, base_name: str, g_idx: torch.Tensor | None, sdtype: torch.d
     symmetric = True if symmetric is None else bool(symmetric)
     group_size = field(args, "group_size")
     strategy = enum_name(field(args, "strategy"))
-    if strategy is None:  # compressed-tensors' default: group if a group size is given
-        strategy = "group" if group_size not in (None, -1) else "tensor"
+    if strategy is None:
+        strategy = default_strategy(group_size)
     if kind == "float":
         if bits not in _FLOATS:
             raise ValueError(f"llmcompressor: float num_bits must be one of {list(_FLOATS)}, "
