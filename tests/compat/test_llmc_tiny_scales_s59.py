@@ -100,3 +100,20 @@ def test_dict_args_without_a_strategy_take_compressed_tensors_default(fields):
             obs(w)
             got.append(obs.get_qparams())
     _assert_same(*got)
+
+
+@pytest.mark.parametrize("scale_dtype", [None, torch.float8_e4m3fn])
+def test_a_float16_nvfp4_global_scale_past_float16_falls_back_to_one_as_theirs(scale_dtype):
+    # amax below 2688 / 65504: their float16 global scale overflows and falls back to 1
+    # (a mutant that dropped the fallback, inf scales, left every other test passing)
+    w = (torch.randn(16, 32, generator=torch.Generator().manual_seed(0)) * 1e-3).half()
+    args = QuantizationArgs(**NVFP4, **({} if scale_dtype is None else
+                                        {"scale_dtype": scale_dtype}))
+    got = []
+    with _quiet():
+        for cls in (Theirs, Ours):
+            obs = cls.load_from_registry("memoryless_minmax", base_name="weight", args=args)
+            obs(w)
+            got.append(obs.get_qparams())
+    _assert_same(*got)
+    assert got[1]["global_scale"].tolist() == [1.0]

@@ -68,11 +68,6 @@ Where the results differ from llm-compressor's, by choice:
   rounds such scales to integers, a scale encoding quantscope does not have), and a float
   ``zp_dtype`` for an asymmetric integer format (compressed-tensors keeps those zero points
   unrounded, NaN for an all-zero range; quantscope's zero point is a code).
-* NVFP4 with fp8 block scales on float16 statistics whose amax is below 2688 / 65504
-  (about 0.041): llm-compressor's global scale, computed in float16, overflows and falls
-  back to 1, which puts the block scales in fp8's subnormals; quantscope's is the float32
-  ``2688 / amax`` (without a ``scale_dtype``, where compressed-tensors multiplies float
-  scales by it, the fallback is theirs: the scales follow it).
 * integer tensors under the MSE searches: llm-compressor casts each fake-quantized
   candidate back to the integer dtype (truncating) before pricing it; quantscope prices
   the float32 fake-quantized values, so the chosen range can differ.
