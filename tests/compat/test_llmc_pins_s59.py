@@ -117,3 +117,31 @@ def test_bf16_asymmetric_activations_with_inf_are_refused():
     obs(torch.tensor([[[1.0, float("inf"), -2.0]]]).bfloat16())
     with pytest.raises(ValueError, match="observed NaN or inf"):
         obs.get_qparams()
+
+
+def test_spec_translation_edges():
+    from quantscope.compat.llmcompressor_spec import llmcompressor_spec
+
+    # compressed-tensors' default symmetric is True; a dict may leave it None
+    assert llmcompressor_spec({"num_bits": 8, "type": "int", "symmetric": None}).symmetric
+    # MX scales need group 32 (compressed-tensors' should_generate_mx_scales); else a uint8
+    # scale_dtype is an integer scale encoding, refused
+    mx = {"num_bits": 4, "type": "float", "strategy": "group", "scale_dtype": torch.uint8}
+    assert str(llmcompressor_spec({**mx, "group_size": 32}).scale).startswith("e8m0")
+    with pytest.raises(ValueError, match="scale_dtype"):
+        llmcompressor_spec({**mx, "group_size": 16})
+
+
+def test_an_activations_channels_are_its_features():
+    # the spec exporters and recipes read (llm-compressor's observers refuse channel
+    # activations, as quantscope's compat observer does): one scale per feature, the last axis
+    from quantscope.compat.llmcompressor_spec import llmcompressor_spec
+
+    args = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    assert llmcompressor_spec(args, "input").layout.qparam_shape((4, 6)) == (1, 6)
+    assert llmcompressor_spec(args, "weight").layout.qparam_shape((4, 6)) == (4, 1)
+    obs = Ours.load_from_registry("static_minmax", base_name="input",
+                                  args=QuantizationArgs(**args))
+    with pytest.raises(ValueError, match="Channel quantization cannot be applied to "
+                                         "activations"), _quiet():
+        obs(torch.randn(4, 6))
