@@ -247,3 +247,20 @@ def test_kl_bins_below_256_is_refused():
         hz.KLObserver(bins=200)
     assert isinstance(err.value, AssertionError)
     hz.KLObserver(bins=256)
+
+
+@pytest.mark.parametrize("shape", ["flat-part", "flat-all", "ramp"])
+def test_kl_search_on_tied_and_edge_histograms_is_horizons(shape):
+    # s59's mutants: the windows' count and the last minimum among ties (a flat histogram's
+    # divergences tie at 0; one over every bin has its best threshold in the last window)
+    from quantscope.estimators.entropy import horizon_entropy_amax
+    from quantscope.stats.histogram import Hist
+
+    bins = 512
+    counts = {"flat-part": torch.cat([torch.full((300,), 4), torch.zeros(212)]),
+              "flat-all": torch.full((bins,), 4),
+              "ramp": torch.arange(bins, 0, -1)}[shape].long()
+    got = horizon_entropy_amax(Hist(counts[None], torch.zeros(1), torch.ones(1),
+                                    absolute=True))
+    want = kl_amax(counts.double(), torch.linspace(0, 1, bins + 1))
+    assert float(got) == pytest.approx(float(want), rel=1e-6), (float(got), float(want))
