@@ -4,8 +4,6 @@ passing."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import warnings
 
 import pytest
@@ -19,27 +17,18 @@ with warnings.catch_warnings():
     from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.observers import Observer as Theirs
 
+from quiet_logs import quiet
+
 from quantscope.compat.llmcompressor import Observer as Ours
 from quantscope.compat.llmcompressor_parts import GroupSizeError
 
 INT4_CHANNEL = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}
 
 
-@contextlib.contextmanager
-def _quiet():
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(logging.NOTSET)
-
-
 def _both(name, args, w, **kw):
     """``(theirs, ours)``: each observer's ``max_vals`` after ``w``, and its qparams."""
     out = []
-    with _quiet():
+    with quiet():
         for cls in (Theirs, Ours):
             obs = cls.load_from_registry(name, base_name="weight", args=args, **kw)
             obs(w)
@@ -83,7 +72,7 @@ def test_imatrix_with_some_channels_never_active_is_theirs():
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
                             group_size=16)
     got = []
-    with _quiet():
+    with quiet():
         for cls in (Theirs, Ours):
             obs = cls.load_from_registry("imatrix_mse", base_name="weight", args=args,
                                          strict=True)
@@ -99,7 +88,7 @@ def test_a_group_size_that_does_not_divide_the_columns_is_a_group_size_error():
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
                             group_size=16)
     obs = Ours.load_from_registry("memoryless_minmax", base_name="weight", args=args)
-    with pytest.raises(GroupSizeError), _quiet():
+    with pytest.raises(GroupSizeError), quiet():
         obs(torch.randn(8, 40))
 
 
@@ -143,5 +132,5 @@ def test_an_activations_channels_are_its_features():
     obs = Ours.load_from_registry("static_minmax", base_name="input",
                                   args=QuantizationArgs(**args))
     with pytest.raises(ValueError, match="Channel quantization cannot be applied to "
-                                         "activations"), _quiet():
+                                         "activations"), quiet():
         obs(torch.randn(4, 6))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import warnings
 
 import pytest
@@ -21,21 +20,12 @@ with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.observers import Observer as Theirs
 
+from quiet_logs import quiet
+
 from quantscope.compat.llmcompressor import Observer as Ours
 
 NVFP4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
          "group_size": 16}
-
-
-@contextlib.contextmanager
-def _quiet():
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def _assert_same(theirs: dict, ours: dict) -> None:
@@ -49,7 +39,7 @@ def test_nvfp4_searches_keep_tiny_block_scales(name):
     # block amaxes below 6 * 2**-23: 32 of 32 block scales and the global scale differed
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)) * 1e-7
     got = []
-    with _quiet():
+    with quiet():
         for cls in (Theirs, Ours):
             obs = cls.load_from_registry(name, base_name="weight", args=QuantizationArgs(**NVFP4))
             obs(w)
@@ -72,7 +62,7 @@ def test_imatrix_searches_keep_tiny_scales(name, args, magnitude):
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(16, 64, generator=g) * magnitude, torch.randn(8, 64, generator=g)
     got = []
-    with _quiet():
+    with quiet():
         for cls in (Theirs, Ours):
             lin = torch.nn.Linear(64, 16, bias=False)
             with torch.no_grad():
@@ -94,7 +84,7 @@ def test_dict_args_without_a_strategy_take_compressed_tensors_default(fields):
     # probe s59: a dict's group_size=-1 was per tensor, compressed-tensors' per channel
     w = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
     got = []
-    with _quiet():
+    with quiet():
         for cls, args in ((Theirs, QuantizationArgs(**fields)), (Ours, dict(fields))):
             obs = cls.load_from_registry("memoryless_minmax", base_name="weight", args=args)
             obs(w)
@@ -110,7 +100,7 @@ def test_a_float16_nvfp4_global_scale_past_float16_falls_back_to_one_as_theirs(s
     args = QuantizationArgs(**NVFP4, **({} if scale_dtype is None else
                                         {"scale_dtype": scale_dtype}))
     got = []
-    with _quiet():
+    with quiet():
         for cls in (Theirs, Ours):
             obs = cls.load_from_registry("memoryless_minmax", base_name="weight", args=args)
             obs(w)
