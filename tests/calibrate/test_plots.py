@@ -132,3 +132,43 @@ def test_static_rows_without_an_sqnr_leave_no_layer_to_pick_saying_so():
                                          r"layer by: name one$"):
         plots.histogram_choice(report)
     assert plots.histogram_choice(report, layer="a") == ("a", "r1")
+
+
+@pytest.mark.parametrize(("hist", "said"), [
+    ({"counts": [], "lo": 0.0, "hi": 1.0}, r"counts must be a non-empty list"),
+    ({"counts": [1, -2], "lo": 0.0, "hi": 1.0}, r"counts must be a non-empty list"),
+    ({"counts": [1, 2], "lo": 1.0, "hi": 0.0}, r"needs finite 'lo' <= 'hi'"),
+    ({"counts": [1, 2], "lo": 0.0, "hi": float("inf")}, r"needs finite 'lo' <= 'hi'"),
+    ({"counts": [1, 2]}, r"needs finite 'lo' <= 'hi'"),
+])
+def test_a_damaged_histogram_is_refused_naming_its_key(hist, said):
+    """A report edited by hand whose histogram has no bins or no finite range: a ValueError
+    naming ``histograms[key]`` (the CLI's usage error), not a ZeroDivisionError mid-draw."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"r1": [_input_row("a")]}, hist=("a",))
+    report["histograms"]["a/input"] = hist
+    with pytest.raises(ValueError, match=r"^plot: histograms\['a/input'\].*" + said):
+        plots.histogram_choice(report, layer="a")
+
+
+def test_plot_histogram_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    """matplotlib missing: plot_histogram says which extra to install, as plot_sqnr does (it
+    imported matplotlib before asking figure(), whose ImportError says so)."""
+    import builtins
+
+    from quantscope.calibration.results import plots
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    report = _report({"r1": [_input_row("a")]}, hist=("a",))
+    with pytest.raises(ImportError, match=r"^plots need matplotlib: pip install "
+                                          r"'quantscope\[plot\]'$"):
+        plots.plot_histogram(report, "a", str(tmp_path / "h.png"))
+    assert not list(tmp_path.iterdir())

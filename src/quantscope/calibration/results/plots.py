@@ -140,7 +140,23 @@ def histogram_choice(report: dict, role: str = "input", recipe: str | None = Non
     if layer is None:  # a static row, but none with an SQNR to choose by
         raise ValueError(f"plot: no {role} SQNR of recipe {drawn!r} to choose the layer by: "
                          f"name one")
+    _check_histogram(report["histograms"][f"{layer}/{role}"], f"{layer}/{role}")
     return layer, drawn
+
+
+def _check_histogram(hist, key: str) -> None:
+    """A ValueError naming ``histograms[key]`` unless it has counts (a non-empty list of
+    non-negative numbers) over a finite ``lo <= hi``: a report edited or damaged by hand."""
+    counts = hist.get("counts") if isinstance(hist, dict) else None
+    ends = [hist.get(k) for k in ("lo", "hi")] if isinstance(hist, dict) else []
+    if not (isinstance(counts, list) and counts and all(
+            isinstance(c, int | float) and not isinstance(c, bool) and c >= 0 for c in counts)):
+        raise ValueError(f"plot: histograms[{key!r}].counts must be a non-empty list of "
+                         f"non-negative counts")
+    if not (all(isinstance(e, int | float) and not isinstance(e, bool) and math.isfinite(e)
+                for e in ends) and ends[0] <= ends[1]):
+        raise ValueError(f"plot: histograms[{key!r}] needs finite 'lo' <= 'hi', got "
+                         f"{ends if ends else hist!r}")
 
 
 def _kept_out(report: dict, layer: str, role: str) -> str:
@@ -161,13 +177,13 @@ def plot_histogram(report: dict, layer: str, path: str, role: str = "input",
     ValueError says why none can be drawn)."""
     _, recipe = histogram_choice(report, role, recipe, layer)
     hist = report["histograms"][f"{layer}/{role}"]
+    fig = figure(figsize=(8, 4.2), dpi=100)  # first: its ImportError names the extra
     import matplotlib
 
     counts = hist["counts"]
     n = len(counts)
     width = (hist["hi"] - hist["lo"]) / n
     centers = [hist["lo"] + (k + 0.5) * width for k in range(n)]
-    fig = figure(figsize=(8, 4.2), dpi=100)
     ax = fig.subplots()
     ax.bar(centers, [max(c, 0.8) if c else 0 for c in counts], width=width, color="0.55",
            log=True, label="activations (sample)")
