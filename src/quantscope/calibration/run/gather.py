@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import LocalError, all_gather, group_device, is_distributed, raise_on_all, world_size
-from ..structure.fingerprint import digest, fingerprint_text
+from ..structure.fingerprint import digest, fingerprint, fingerprint_text
 from .batches import tensors_in
 
 __all__ = ["RankPieces", "assign_by_size", "check_same_slots", "check_same_weights",
@@ -214,27 +214,29 @@ def check_same_options(opts, group=None, recipes=None) -> None:
     differs, with each rank's value."""
     if not is_distributed(group):
         return
-    values, given = {}, {}  # compared; as given (the message)
+    values, given = {}, {}  # compared; as given (the message's text)
     if recipes is not None:
-        values["the recipe (by label)"] = given["the recipe (by label)"] = tuple(recipes)
+        values["the recipe (by label)"] = tuple(recipes)
+        given["the recipe (by label)"] = repr(tuple(recipes))
     for label, recipe in (recipes or {}).items():  # leaf by leaf: the message names one
         for where, v in _leaves(recipe.to_dict(), f"recipe {label!r}: "):
-            plain = v is None or isinstance(v, (str, int, float, list, tuple))
-            values[where], given[where] = _canonical(v) if plain else repr(v), v  # (a tensor)
+            plain = v is None or isinstance(v, (str, int, float, list, tuple, torch.Tensor))
+            values[where] = _canonical(v) if plain else repr(v)
+            given[where] = (f"a tensor {list(v.shape)} of fingerprint {values[where][2]}"
+                            if isinstance(v, torch.Tensor) else repr(v))
     for path in AGREED:
         kind, name = path.split(".")
         v = getattr(getattr(opts, kind), name)
         key = f"{type(getattr(opts, kind)).__name__}.{name}"
         values[key] = v is not None if name == "loss" else _canonical(v)
-        given[key] = values[key] if name == "loss" else v
+        given[key] = repr(values[key] if name == "loss" else v)
     crc = zlib.crc32(repr(values).encode())
     got = all_gather(torch.tensor([crc], dtype=torch.int64, device=group_device(group)),
                      group).cpu()
     if bool((got == got[0]).all()):
         return
     every: list = [None] * world_size(group)  # only on a mismatch: name the difference
-    dist.all_gather_object(every, (values, {k: repr(v) for k, v in given.items()}),
-                           group=group)
+    dist.all_gather_object(every, (values, given), group=group)
     keys = dict.fromkeys(k for e in every for k in e[0])  # (recipes: not on every rank)
     odd = next((k for k in keys if any(e[0].get(k, _ABSENT) != every[0][0].get(k, _ABSENT)
                                        for e in every)), None)
@@ -251,7 +253,10 @@ def _canonical(v):
     """``v`` in one form for equal values on every rank: a mapping's items sorted, and the
     members of its collections (``time_groups``' labels, given as a set: string hashing, so
     a set's order, differs between processes), sequences as tuples, numbers as floats (``64``
-    and ``64.0`` are the same budget)."""
+    and ``64.0`` are the same budget), a tensor by its dtype, shape and values (its repr
+    rounds them and elides the middle of a large one, and names its device)."""
+    if isinstance(v, torch.Tensor):
+        return "tensor", tuple(v.shape), fingerprint(v)
     if isinstance(v, Mapping):
         return tuple(sorted((str(k), tuple(sorted(map(repr, x))) if isinstance(
             x, (list, tuple, set, frozenset)) else _canonical(x)) for k, x in v.items()))
@@ -268,8 +273,9 @@ _ABSENT = "(absent)"  # a recipe's leaf one rank's recipe lacks
 def _leaves(v, path: str):
     """``(path, value)`` of each field of a recipe's ``to_dict``, in its order (a rule's place
     decides what it matches): ``rules[0].input.options.percentile``; a list of plain values
-    (``ignore``, ``targets``) is one."""
-    if isinstance(v, Mapping) and v:
+    (``ignore``, ``targets``) is one; an empty mapping none (``options={}`` is no option, so
+    a rank giving one names it: ``options.percentile is absent on rank 0``)."""
+    if isinstance(v, Mapping):
         for k, x in v.items():
             yield from _leaves(x, f"{path}.{k}" if path[-1:] != " " else f"{path}{k}")
     elif isinstance(v, (list, tuple)) and any(isinstance(x, Mapping) for x in v):
