@@ -47,3 +47,22 @@ def test_a_grown_grid_is_refused_by_other_bins(bins):
                                          rf"bins={bins}; construct the observer with the bins "
                                          rf"it was saved with"):
         other.load_state_dict(saved.state_dict())
+
+
+@pytest.mark.parametrize(("saved_bins", "tops", "bins", "nb"), [
+    (512, (1.0, 2.5), 256, 1280),  # grown from 512: its data needs 1280 bins of 1 / 512
+    (257, (1.0,), 256, 257),  # never grown: one bin more, data within its first top
+])
+def test_a_state_of_other_bins_is_refused_even_where_its_count_could_be_a_growth(
+        saved_bins, tops, bins, nb):
+    """More bins than ``bins`` is a growth only where the data's amax passed the first top
+    and needs that many bins at this width: a grid grown from 512 bins (1280) read at 256's
+    width doubles its top; 257 bins never grown read as grown past 256 stretch it."""
+    g = torch.Generator().manual_seed(0)
+    saved = _fed(saved_bins, [torch.rand(1000, generator=g) * t for t in tops])
+    assert saved.hist_counts.shape[-1] == nb
+    other = KLObserver(bins=bins, update_interval=3)
+    with pytest.raises(ValueError, match=rf"cannot load a histogram of {nb} bins into one of "
+                                         rf"bins={bins}"):
+        other.load_state_dict(saved.state_dict())
+    assert not other.has_observed  # left empty, not half loaded
