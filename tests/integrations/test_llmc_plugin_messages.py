@@ -46,6 +46,18 @@ def test_a_block_schemes_error_names_its_block_structure():
     assert "strategy: block, block_structure: [128, 128]}" in str(e.value), str(e.value)
 
 
+def test_a_symmetric_only_search_on_asymmetric_args_names_the_plugins_observers():
+    """The refusal points at the plugin's observers that take asymmetric ranges, not the
+    native names the class's own error gives."""
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="channel")
+    with pytest.raises(ValueError) as e:
+        Observer.load_from_registry("quantscope_linear_mse", base_name="weight", args=args)
+    assert str(e.value) == (
+        "observer quantscope_linear_mse for weights {num_bits: 8, type: int, symmetric: false, "
+        "strategy: channel}: it searches symmetric ranges only, these are asymmetric: use "
+        "quantscope_memoryless_mse or quantscope_mse for them"), str(e.value)
+
+
 def test_a_nan_errors_args_leave_unset_fields_out():
     args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
     obs = Observer.load_from_registry("quantscope_static_minmax", base_name="input", args=args)
