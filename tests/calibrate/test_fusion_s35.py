@@ -93,3 +93,33 @@ def test_embeddings_reading_the_same_ids_keep_their_own_scales(kind):
     for name in "ab":
         scale = calib.states[name]["weight"].qparams.scale
         assert torch.equal(scale.reshape(()), getattr(model, name).weight.abs().max() / 448)
+
+
+@pytest.mark.parametrize(("fmt", "shared"), [("int8", False), ("fp8_e4m3", True)])
+def test_a_per_tensor_weight_scale_is_shared_by_a_fused_group_for_float_formats_only(fmt,
+                                                                                     shared):
+    """vLLM's FP8 path re-quantizes a fused q / k / v to the shards' largest per-tensor scale,
+    so quantscope gives them that one; its INT8 path widens a per-tensor scale to per-channel,
+    so each int8 weight keeps the scale of its own range (max |w| / 127.5)."""
+    from dataclasses import replace
+
+    from quantscope import QuantSpec, Tensor
+    from quantscope.calibration import preset
+
+    model, batches = llama()
+    base = preset("w8a8")
+    rule = base.rules[0]
+    recipe = replace(base, rules=(replace(rule, weight=replace(rule.weight, spec=QuantSpec(
+        fmt, Tensor()))),))
+    calib = calibrate(model, batches, recipe, progress=False)
+    attn = "model.layers.0.self_attn."
+    names = [attn + p for p in ("q_proj", "k_proj", "v_proj")]
+    scales = [calib.states[n]["weight"].qparams.scale.reshape(()) for n in names]
+    amax = [model.get_submodule(n).weight.detach().abs().amax() for n in names]
+    if shared:
+        assert all(torch.equal(s, scales[0]) for s in scales)
+        assert torch.equal(scales[0], max(amax) / 448)  # the largest range's, e4m3's max 448
+    else:
+        assert len({float(a) for a in amax}) == 3  # three ranges, three scales
+        for s, a in zip(scales, amax, strict=True):
+            assert torch.equal(s, a / 127.5), (s, a / 127.5)

@@ -220,6 +220,34 @@ class OldMoe(nn.Module):
         return out.reshape(x.shape)
 
 
+def test_modulelist_experts_count_the_tokens_routed_to_them():
+    """A ModuleList expert's token count is the rows it was given (its calls would put
+    every expert under expert_min_tokens, shrinking each range toward the pooled one), as
+    the routing gives them: the gate's top-k replayed here."""
+    torch.manual_seed(0)
+    moe = OldMoe()
+    model = nn.Sequential(moe).eval()
+    batches = [torch.randn(2, 8, 64) for _ in range(3)]
+    routed = [0] * len(moe.experts)
+    with torch.no_grad():
+        for x in batches:
+            logits = moe.gate(x.reshape(-1, 64))
+            logits[:, STARVED] = -math.inf
+            idx = torch.topk(torch.softmax(logits, -1), moe.k, -1).indices
+            for e in range(len(routed)):
+                routed[e] += int((idx == e).sum())
+    calib = calibrate(model, batches, "w8a8", progress=False, expert_min_tokens=4)
+    got = {r["expert"]: (r["tokens"], r["rule"]) for r in calib.info["experts"]}
+    assert [got[e][0] for e in range(len(routed))] == routed
+    assert sum(routed) == 3 * 16 * moe.k and min(n for n in routed if n) >= 4
+    assert {got[e][1] for e in got if routed[e]} == {"own"}
+    # an expert given exactly min_tokens keeps its own range (shrunk only below it)
+    fewest = min(n for n in routed if n)
+    calib = calibrate(model, batches, "w8a8", progress=False, expert_min_tokens=fewest)
+    got = {r["expert"]: r["rule"] for r in calib.info["experts"]}
+    assert got[routed.index(fewest)] == "own", got
+
+
 def test_modulelist_experts():
     torch.manual_seed(0)
     model = nn.Sequential(OldMoe()).eval()

@@ -193,3 +193,20 @@ def test_embedding_bags_and_embedding_subclasses_are_embeddings(tmp_path):
     assert len(said) == 1 and "'model.embed_tokens'" in said[0], [str(w.message)
                                                                   for w in caught]
     assert MAY_LOAD in said[0], said[0]
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("int8", Channel(1)), QuantSpec("int8", Channel(-1))],
+                         ids=str)
+def test_a_per_column_weight_scale_is_refused_even_where_the_layer_is_square(tmp_path, spec):
+    """compressed-tensors' ``channel`` is one scale per output row: a weight scaled per input
+    column has no equivalent. On a square layer the column scales fit the row scales' shape,
+    so only the layout check stands between them and a checkpoint that decodes to other
+    weights than ``apply`` runs (probe s60)."""
+    from quantscope.calibration import Recipe
+
+    model = _llama()
+    recipe = Recipe((_weight_rule([r"re:.*self_attn\.(q|o)_proj$"], spec),))
+    with pytest.raises(ValueError, match=r"layout Channel\(axis=-?1\).* has no compressed-"
+                                         r"tensors equivalent"):
+        _export(model, recipe, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
