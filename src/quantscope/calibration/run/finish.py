@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..._checks import outside_quantscope
+from ..._checks import check_float32_range, outside_quantscope
 from ...observers.registry import get_observer
 from ...qparams import amax_of_range
 from ..choice import layer_choice
@@ -221,7 +221,8 @@ def build_states(slots, plans, recipes, auto_metric="tensor", groups=(), experts
     built = _States(slots, auto_metric, fisher, _ignoring(slots, plans))
     results = {label: built.recipe(plan, groups, experts, missing, batches > 0)
                for label, plan in plans.items()}
-    hists = {key: _histogram(x) for key, x in built.data.items() if key[1] != "weight"}
+    hists = {key: _histogram(x, f"calibrate: layer {key[0]!r} {key[1]}")
+             for key, x in built.data.items() if key[1] != "weight"}
     return results, hists
 
 
@@ -442,7 +443,10 @@ def stats_row(layer, role, state: RoleState, st: dict) -> dict:
             "units": st["units"], "numel": st["numel"]}
 
 
-def _histogram(x: torch.Tensor, bins: int = 256) -> dict:
+def _histogram(x: torch.Tensor, who: str, bins: int = 256) -> dict:
+    # a role computed at run time observed nothing that refused them: refused here, as a
+    # static role refuses them (the run time's float32 scales would be inf)
+    check_float32_range(who, x)
     x = x.detach().float().flatten()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()  # one read back
     if hi <= lo:

@@ -155,7 +155,8 @@ def watched(slots) -> list:
         slot.seen_non_finite = None
         if not rows and slot.runtime_check is not None:
             slot.seen_non_finite = torch.zeros((), dtype=torch.bool)
-            rows = [Watched(slot.layer, slot.role, slot.runtime_check, slot, runtime=True)]
+            layer, observer = slot.runtime_check
+            rows = [Watched(layer, slot.role, observer, slot, runtime=True)]
         out += rows
     return out
 

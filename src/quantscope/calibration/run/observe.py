@@ -70,9 +70,10 @@ class Slot:
     # imatrix_mse weights held for their inputs' importance (.imatrix_roles); key -> why unweighted
     waiting: list = field(default_factory=list)
     unweighted: dict = field(default_factory=dict)
-    # the observer of a run-time role that raises on NaN / inf (non_finite not "ignore"): where
-    # no observer of the slot raises on them, the pass's hook flags them (seen_non_finite)
-    runtime_check: str | None = None
+    # ``(layer, observer)`` of a run-time role that raises on NaN / inf (non_finite not
+    # "ignore"): where no observer of the slot raises on them, the pass's hook flags them
+    # (seen_non_finite); the layer is the role's own (a fusion group's member, not its lead)
+    runtime_check: tuple[str, str] | None = None
     seen_non_finite: torch.Tensor | None = None
 
     def module_of(self, layer: str) -> nn.Module:
@@ -226,7 +227,7 @@ def make_plan(model, recipes, candidates, owns=None):
                 names = ([] if cfg.dynamic is True else candidates_for(role, candidates)
                          if cfg.observer == AUTO else [cfg.observer])
                 if cfg.dynamic is True and dict(cfg.options).get("non_finite") != "ignore":
-                    slot.runtime_check = slot.runtime_check or cfg.observer
+                    slot.runtime_check = slot.runtime_check or (layer, cfg.observer)
                 for n in names:
                     make_observer(slot, observer_key(n, cfg, module), cfg.observer == AUTO,
                                   owns, weights)
