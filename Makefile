@@ -107,7 +107,7 @@ TIER ?= not extended
 test: venv peers
 	PYTHONPATH=src $(PEERS_PY) -m pytest -p no:cacheprovider -n 2 -m "peers and ($(TIER))" \
 		$(PEER_TESTS)
-	@rc=0; $(PY) -m pytest -n 2 \
+	@rc=0; $(PY) -m pytest -n 2 --durations=40 \
 		-m "not peers and not memory and ($(TIER))" || rc=$$?; \
 	if [ $$rc -eq 5 ] && [ "$(ALLOW_NO_TESTS)" = 1 ]; then \
 		echo "pytest collected no tests (allowed by ALLOW_NO_TESTS=1)"; exit 0; fi; \
