@@ -444,8 +444,8 @@ def stats_row(layer, role, state: RoleState, st: dict) -> dict:
 
 
 def _histogram(x: torch.Tensor, who: str, bins: int = 256) -> dict:
-    # a role computed at run time observed nothing that refused them: refused here, as a
-    # static role refuses them (the run time's float32 scales would be inf)
+    # float64 values past float32's range: a static role's observer refused them already; a
+    # run-time role's sample is refused here (its float32 scales would be inf)
     check_float32_range(who, x)
     x = x.detach().float().flatten()
     lo, hi = torch.stack(torch.aminmax(x)).tolist()  # one read back
