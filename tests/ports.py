@@ -1,6 +1,7 @@
 """For the tests that start a process group: a free TCP port on the loopback interface, and
-ranks spawned with a deadline that each return a dict of results."""
+ranks started with a deadline that each return a dict of results."""
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -14,6 +15,28 @@ import torch
 # rank may abort at exit (why: quantscope._oplib.never_traced; test_group_released.py)
 import torch.distributed.nn
 import torch.multiprocessing as mp
+
+# The ranks are forked from a server process that has imported torch once per test worker:
+# a spawned rank imports torch anew, seconds each under make test's load, times two ranks,
+# times every module that starts a group. The server is single-threaded (fork-safe, unlike a
+# pytest worker) and never starts a group; start_ranks gives each rank its parent's
+# environment, as a spawn would. (The server imports from its own default sys.path, Python
+# 3.11 ignores the parent's: only installed modules are preloaded, torch.distributed.nn for
+# the reason above.)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.nn", "torch.multiprocessing"])
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> mp.ProcessContext:
+    """``mp.spawn(fn, args, nprocs, join=False)``, the processes forked from the server that
+    has torch loaded: ``fn(rank, *args)`` runs in each with this process's ``os.environ``."""
+    return mp.start_processes(_with_environ, args=(dict(os.environ), fn, args), nprocs=nprocs,
+                              join=False, start_method="forkserver")
+
+
+def _with_environ(r, environ, fn, args):
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(r, *args)
 
 
 def free_port() -> int:
@@ -30,8 +53,7 @@ def spawn_ranks(scenarios, world: int, timeout_s: float) -> list[dict]:
     it had; a run past a few timeouts (a rank left waiting) kills the ranks and fails the
     test instead of hanging."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_rank_main, args=(world, tmp, scenarios, timeout_s), nprocs=world,
-                       join=False)
+        ctx = start_ranks(_rank_main, (world, tmp, scenarios, timeout_s), world)
         deadline = time.monotonic() + 6 * timeout_s + _START_S
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

@@ -21,8 +21,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from ports import free_port
+from ports import free_port, start_ranks
 from tiny_models import bert_folder
 
 import quantscope
@@ -509,7 +508,7 @@ def _exited(p) -> bool:
 
 def _spawn(w):
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(w, free_port(), tmp), nprocs=w, join=False)
+        ctx = start_ranks(_worker, (w, free_port(), tmp), w)
 
         def kill():
             for p in ctx.processes:
