@@ -16,6 +16,7 @@ import pickle
 import pytest
 import torch
 from state_checks import assert_same_buffers
+from tiers import each_value
 
 from quantscope import Channel, Group, QParams, QuantSpec, Tensor
 from quantscope.compat import horizon, quark, torch_ao
@@ -108,10 +109,10 @@ def same(a, b):
         assert (u is None and v is None) or (u.dtype == v.dtype and torch.equal(u, v))
 
 
-@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
-@pytest.mark.parametrize("make", list(MAKERS.values()), ids=list(MAKERS))
-def test_copies_after_cpu_batches_hold_the_state(make, how):
-    obs = make()
+@pytest.mark.parametrize(("observer", "how"),
+                         each_value(list(MAKERS), ["pickle", "torch.save", "deepcopy"]))
+def test_copies_after_cpu_batches_hold_the_state(observer, how):
+    obs = MAKERS[observer]()
     for i in range(3):  # the first call sizes the state; the next ones take a cached step
         observe(obs, g(i, 8, 64) * (i + 1))
     back = loaded(obs, how)
