@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import each_value
 
 pytestmark = pytest.mark.peers
 
@@ -124,23 +125,24 @@ def _assert_half_equal(theirs, ours, fields, dtype):
         assert (got is None) if want is None else torch.equal(got, want), key
 
 
-@pytest.mark.parametrize("kind", ["none", "rand", "some_zeros", "one_huge"])
-@pytest.mark.parametrize("fields", list(HALF_FIELDS.values()), ids=list(HALF_FIELDS))
-@pytest.mark.parametrize("name", ["imatrix_mse", "nvfp4_expanded_imatrix"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_imatrix_search_is_llmcompressors(dtype, name, fields, kind):
+@pytest.mark.parametrize(("dtype", "name", "layout", "kind"), each_value(
+    [torch.bfloat16, torch.float16], ["imatrix_mse", "nvfp4_expanded_imatrix"], list(HALF_FIELDS),
+    ["none", "rand", "some_zeros", "one_huge"]))
+def test_half_imatrix_search_is_llmcompressors(dtype, name, layout, kind):
     """Each candidate priced as theirs, in the weight's dtype (compressed-tensors'
     ``calculate_qparams`` and ``fake_quantize``), the error summed in float32."""
+    fields = HALF_FIELDS[layout]
     for seed in range(3):
         theirs, ours = _half_case(name, fields, dtype, seed, kind)
         _assert_half_equal(theirs, ours, fields, dtype)
 
 
-@pytest.mark.parametrize("fields", list(HALF_FIELDS.values()), ids=list(HALF_FIELDS))
-@pytest.mark.parametrize("name", ["memoryless_mse", "mse", "nvfp4_expanded_mse"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_mse_search_is_llmcompressors(dtype, name, fields):
+@pytest.mark.parametrize(("dtype", "name", "layout"), each_value(
+    [torch.bfloat16, torch.float16], ["memoryless_mse", "mse", "nvfp4_expanded_mse"],
+    list(HALF_FIELDS)))
+def test_half_mse_search_is_llmcompressors(dtype, name, layout):
     """memoryless_mse and its kin price in the dtype and sum the error in it, as theirs."""
+    fields = HALF_FIELDS[layout]
     for seed in range(3):
         theirs, ours = _half_case(name, fields, dtype, seed, "none")
         _assert_half_equal(theirs, ours, fields, dtype)
