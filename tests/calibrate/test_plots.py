@@ -1,4 +1,7 @@
-"""The plots a person reads: coinciding clipping ranges stay visible."""
+"""The plots a person reads: coinciding clipping ranges stay visible. Pinned by mutation
+(s61): the histogram check refuses what a hand-edited report damaged (bool counts, a
+histogram that is no dict, by its key) but not what calibrate writes: a histogram with
+empty bins (most of a 256-bin one) or one collapsed to a point (lo == hi) still draws."""
 
 import pytest
 
@@ -140,6 +143,10 @@ def test_static_rows_without_an_sqnr_leave_no_layer_to_pick_saying_so():
     ({"counts": [1, 2], "lo": 1.0, "hi": 0.0}, r"needs finite 'lo' <= 'hi'"),
     ({"counts": [1, 2], "lo": 0.0, "hi": float("inf")}, r"needs finite 'lo' <= 'hi'"),
     ({"counts": [1, 2]}, r"needs finite 'lo' <= 'hi'"),
+    # bools are ints to isinstance, but True/False are no counts
+    ({"counts": [True, False], "lo": 0.0, "hi": 1.0}, r"counts must be a non-empty list"),
+    # no dict at all: the same ValueError by key, not an AttributeError from .get
+    ([1, 2, 3], r"counts must be a non-empty list"),
 ])
 def test_a_damaged_histogram_is_refused_naming_its_key(hist, said):
     """A report edited by hand whose histogram has no bins or no finite range: a ValueError
@@ -150,6 +157,46 @@ def test_a_damaged_histogram_is_refused_naming_its_key(hist, said):
     report["histograms"]["a/input"] = hist
     with pytest.raises(ValueError, match=r"^plot: histograms\['a/input'\].*" + said):
         plots.histogram_choice(report, layer="a")
+
+
+def test_a_histogram_collapsed_to_one_point_draws(tmp_path):
+    """lo == hi (every sampled value the same: a constant input) is a finite range, if an
+    empty one: the histogram is drawn, its one bin of width 0 beside the clipping range."""
+    pytest.importorskip("matplotlib")
+    from quantscope.calibration.results import plots
+
+    report = _report({"r1": [_input_row("a")]}, hist=("a",))
+    report["histograms"]["a/input"] = {"counts": [7], "lo": 0.5, "hi": 0.5}
+    assert plots.histogram_choice(report, layer="a") == ("a", "r1")
+    path = tmp_path / "h.png"
+    assert plots.plot_histogram(report, "a", str(path)) == str(path)
+    assert path.stat().st_size > 1000
+
+
+def test_a_calibrated_histogram_with_empty_bins_draws(tmp_path):
+    """calibrate's own input histogram (256 bins over a small sample) has empty bins; a count
+    of 0 is a count, so the report compare writes of it is drawn, not refused as damaged."""
+    pytest.importorskip("matplotlib")
+    import torch
+    from torch import nn
+
+    import quantscope
+    from quantscope.calibration.results import plots
+
+    torch.manual_seed(0)
+    calib = quantscope.calibrate(nn.Sequential(nn.Linear(16, 8)), [torch.randn(64, 16)],
+                                 "w8a8", progress=False)
+    calib.label = "w8a8/minmax"
+    run = calib.report({}).to_dict()  # as compare's _evaluate_all writes each run
+    run["recipe"], run["observer"] = calib.label.split("/", 1)
+    report = {"runs": {calib.label: run},
+              "histograms": {f"{k[0]}/{k[1]}": v for k, v in calib.histograms.items()}}
+    hist = report["histograms"]["0/input"]
+    assert 0 in hist["counts"], "the case needs a histogram with an empty bin"
+    assert plots.histogram_choice(report) == ("0", "w8a8")
+    path = tmp_path / "h.png"
+    assert plots.plot_histogram(report, "0", str(path)) == str(path)
+    assert path.stat().st_size > 1000
 
 
 def test_plot_histogram_without_matplotlib_names_the_extra(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Pins found by mutation (s60) on the calibration run: a sequential chain's refusal and its
 first input, a fusion group's shared input choice and weights, an NVFP4 input's global amax,
 imatrix importance that is not finite, streamed samples' shares and caps, a conv input sample
-shared by recipes, static activation layouts, and three layers tied to one weight."""
+shared by recipes, static activation layouts, and three layers tied to one weight; and (s61)
+blocks called in another order for one batch than for batch 0."""
 
 from __future__ import annotations
 
@@ -54,6 +55,36 @@ def test_the_second_to_last_blocks_output_read_after_the_chain_is_refused():
     with pytest.raises(NotAChain, match="needs them to form a chain"):
         _quiet(quantscope.calibrate, _SecondLastReadAgain(), batches, "w8a8", progress=False,
                sequential=True)
+
+
+class _ReversedOnThreeRows(nn.Module):
+    """Blocks called in order, except on a batch of 3 rows: then last to first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        order = list(self.layers) if x.shape[0] != 3 else list(self.layers)[::-1]
+        for blk in order:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_blocks_called_in_another_order_for_one_batch_are_refused_naming_both():
+    """The replay runs one block order for every batch: a model taking another for batch 1
+    would have batch 1's blocks calibrated on inputs its forward never gives them."""
+    model = _ReversedOnThreeRows().eval()
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),
+               torch.randn(3, 8, generator=torch.Generator().manual_seed(1))]
+    first = list(range(len(model.layers)))
+    with pytest.raises(NotAChain) as err:
+        _quiet(quantscope.calibrate, model, batches, "w8a8", progress=False,
+               sequential="float")
+    assert (f"the forward calls them in the order {first[::-1]} for batch 1 but {first} "
+            f"for batch 0") in str(err.value)
 
 
 class _InPlaceAfterBlocks(nn.Module):

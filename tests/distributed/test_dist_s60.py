@@ -2,7 +2,9 @@
 option (``imatrix_mse``'s importance) was compared by its repr, which rounds its values and
 elides the middle of a large one, so ranks giving different importances each went on with
 their own; and a rank giving ``options={}`` was said to lack the option another rank gave.
-One spawn of 2 gloo processes, each case's outcome on both ranks."""
+Pinned by mutation (s61): tensors of one fingerprint but different shapes (all zeros) differ,
+and so do the same recipes given in another order (the order is the one the ranks exchange
+in). One spawn of 2 gloo processes, each case's outcome on both ranks."""
 
 from __future__ import annotations
 
@@ -51,7 +53,15 @@ def _cases(r: int) -> dict:
         "none_on_one": _percentile({"percentile": 99.0} if r == 0 else
                                    {"percentile": 99.0, "averaging_constant": None}),
         "empty_against_one": _percentile({} if r == 0 else {"percentile": 99.0}),
+        # all zeros: one fingerprint whatever the length, so only the shape tells them apart
+        "zeros_by_length": _imatrix(torch.zeros(4 if r == 0 else 8)),
     }
+
+
+def _in_order(r: int) -> dict:
+    """Two recipes by label, in the opposite order on rank 1."""
+    recipes = [("a", _percentile({"percentile": 99.0})), ("b", _imatrix(torch.arange(4.0)))]
+    return dict(recipes if r == 0 else recipes[::-1])
 
 
 def _scenarios(r, out):
@@ -59,6 +69,7 @@ def _scenarios(r, out):
 
     for name, recipe in _cases(r).items():
         out[name] = error_text(check_same_options, Options(), None, {"r": recipe})
+    out["reordered"] = error_text(check_same_options, Options(), None, _in_order(r))
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +113,29 @@ def test_the_first_field_that_differs_is_named_with_each_ranks_value(ranks, name
     assert _said(ranks, name) == (f"ValueError: calibrate: the ranks give different options: "
                                   f"recipe 'r': {field} is {values[0]} on rank 0, {values[1]} "
                                   f"on rank 1" + END)
+
+
+def test_zero_tensors_of_one_fingerprint_but_other_shapes_differ(ranks):
+    """zeros(4) and zeros(8) hash alike; the shape is part of what is compared (an importance
+    of another length is another option), and both are named."""
+    from quantscope.calibration.run.gather import _canonical
+
+    ts = [dict(_cases(r)["zeros_by_length"].rules[0].weight.options)["importance"]
+          for r in (0, 1)]
+    fps = [_canonical(t)[2] for t in ts]
+    assert fps[0] == fps[1]  # the premise: the fingerprint alone cannot tell them apart
+    assert _said(ranks, "zeros_by_length") == (
+        f"ValueError: calibrate: the ranks give different options: recipe 'r': "
+        f"rules[0].weight.options.importance is a tensor {list(ts[0].shape)} of fingerprint "
+        f"{fps[0]} on rank 0, a tensor {list(ts[1].shape)} of fingerprint {fps[1]} on rank 1"
+        + END)
+
+
+def test_the_same_recipes_in_another_order_differ(ranks):
+    """The ranks exchange per recipe in the order given: one rank's first recipe against
+    another's second would pair unrelated exchanges, so the order is compared too."""
+    orders = [tuple(_in_order(r)) for r in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1]  # the premise
+    assert _said(ranks, "reordered") == (
+        f"ValueError: calibrate: the ranks give different options: the recipe (by label) is "
+        f"{orders[0]} on rank 0, {orders[1]} on rank 1" + END)
