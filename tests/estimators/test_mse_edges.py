@@ -1,5 +1,6 @@
-"""Edges of the MSE range searches: overflowing errors, the expanded grid's incumbent, and
-the power-of-two search's ties (Quark's rule)."""
+"""Edges of the MSE range searches: overflowing errors, the global patience rule's stop
+(``mse_select``: patience 0, one candidate after the last improving one), the expanded
+grid's incumbent, and the power-of-two search's ties (Quark's rule)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,69 @@ def test_select_op_keeps_a_finite_best_over_inf():
     assert idx.tolist() == [1, 0, -1] and best.tolist() == [1.0, 2.0, inf]
     idx, _ = ops.mse_select(err[2:], same[2:], incumbent, 1, -1, True, False, True)
     assert idx.tolist() == [-1, -1, -1]
+
+
+def test_an_overflowed_error_improves_no_unit_for_the_global_rule():
+    """Pin (s61 mutation): the global rule counts a row as improving only where ``beats``
+    takes it, and ``beats`` never takes an inf error, not even as a tie kept last (inf <=
+    inf): an overflowed unit would otherwise keep the rule searching forever, and take
+    the last inf candidate over its incumbent."""
+    inf = float("inf")
+    best = torch.tensor([inf, 2.0], dtype=torch.float64)
+    err = torch.tensor([[inf, 3.0], [inf, 2.5], [1.0, inf]], dtype=torch.float64)
+    for tie_last in (False, True):
+        assert ops.improved_rows(err, best, tie_last).tolist() == [False, False, True]
+    # ties kept last, the global rule with patience 1 (mse_tiles._State's rules): candidate
+    # 0 improves unit 1, candidate 1 improves nothing (unit 0's inf ties its inf best), so
+    # the rule stops after it and candidate 2 is never taken
+    err = torch.tensor([[inf, 1.0], [inf, 3.0], [inf, 0.5]], dtype=torch.float64)
+    assert ops.improved_rows(err, best, True).tolist() == [True, False, True]
+    assert ops.stop_after(ops.improved_rows(err, best, True), 1).tolist() == [1]
+    idx, best = ops.mse_select(err, torch.zeros_like(err, dtype=torch.bool), best, 3, 1,
+                               False, True, True)
+    assert idx.tolist() == [-1, 0] and best.tolist() == [inf, 1.0]
+
+
+@pytest.mark.parametrize(("improved", "patience", "stop"), [
+    ([True, False, False, False], 1, 1), ([True, False, False, False], 2, 2),
+    ([True, False, False, False], 3, 3), ([True, False, False, False], 4, 4),
+    ([True, False, True, False, False], 2, 4), ([False, True, False, False], 1, 0),
+    ([False, False, False], 2, 1),
+    ([True, True, True], 1, 3), ([False, False], 0, 0), ([True, False], 0, 0),
+])
+def test_the_global_rule_stops_after_exactly_patience_stale_candidates(improved, patience,
+                                                                       stop):
+    """Pin (s61 mutation): ``stop_after`` is the candidate after which the global rule
+    stops: the search state stops once ``patience`` candidates in a row have improved no
+    unit (``g_stale >= patience``), counted from the last that improved (or from the start),
+    ``len(improved)`` if that never happens. One candidate later takes one the rule never
+    looks at."""
+    got = ops.stop_after(torch.tensor(improved), patience)
+    assert got.dtype == torch.int64 and got.tolist() == [stop]
+
+
+def test_mse_select_under_the_global_rule_takes_no_candidate_past_its_stop():
+    """Pin (s61 mutation): patience 1, the global rule alone: candidate 0 improves on the
+    incumbent, candidate 1 does not, so the rule stops there and candidate 2's lower error
+    is never taken."""
+    err = torch.tensor([[1.0], [1.5], [0.5]], dtype=torch.float64)
+    same = torch.zeros_like(err, dtype=torch.bool)
+    idx, best = ops.mse_select(err, same, torch.tensor([2.0], dtype=torch.float64), 3, 1,
+                               False, True, False)
+    assert idx.tolist() == [0] and best.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("per_unit", [False, True])
+def test_patience_zero_still_takes_the_first_candidate(per_unit):
+    """Pin (s61 mutation): with patience 0 the search state looks at candidate 0 (nothing
+    has stopped yet) and stops right after it, under the global rule alone as under both
+    rules: candidate 0 replaces unit 0's incumbent, candidate 1's lower errors are never
+    taken."""
+    err = torch.tensor([[1.0, 3.0], [0.5, 0.2]], dtype=torch.float64)
+    same = torch.zeros_like(err, dtype=torch.bool)
+    incumbent = torch.tensor([2.0, 2.0], dtype=torch.float64)
+    idx, best = ops.mse_select(err, same, incumbent, 2, 0, per_unit, True, False)
+    assert idx.tolist() == [0, -1] and best.tolist() == [1.0, 2.0]
 
 
 def _expand_case():

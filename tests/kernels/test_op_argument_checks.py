@@ -286,6 +286,21 @@ def test_nvfp4_searches_refuse_bad_min_scale(device, op, min_scale, forbid_host_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["uint8", "uint4"])
+def test_mx_mse_refuses_unsigned_integer_elements(device, fmt, forbid_host_sync):
+    """Pin (s61 mutation): MX's element formats are float or signed integer ones (MXINT8,
+    BFP: E8M0 block scales with codes around 0); an unsigned one is refused naming it, on
+    the CPU and in the fake alike, where a search over it returned a result."""
+    units = torch.randn(3, 16).to(device)
+    lo, hi = units.amin(1), units.amax(1)
+    factors = torch.tensor([1.0, 0.9, 0.8], device=device)
+    err = _raises(lambda: ops.mx_mse(units, lo, hi, factors, lo, hi, fmt, "floor", 3, -1,
+                                     False, False, False), "mx_mse", "format", forbid_host_sync)
+    assert str(err.value).endswith(f"format must be a float or a signed integer format, got "
+                                   f"{fmt!r}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dst_nbins", [0, 1, -3])
 def test_ao_histogram_search_refuses_bad_dst_nbins(device, dst_nbins, forbid_host_sync):
     """Found by probing (s35): the fake took 0 bins (tracing passed), the real op raised

@@ -343,6 +343,33 @@ def test_weights_move_the_choices():
         assert (plain != weighted).sum() >= moved
 
 
+@pytest.mark.parametrize("op", ["nvfp4_mse", "nvfp4_search", "mx_mse"])
+def test_weights_whose_rows_are_not_contiguous_price_as_the_definition(device, op):
+    """Pin (s61 mutation): the Triton searches read a row of weights as contiguous, so
+    weights whose rows are not (a view of a transposed ``[E, U]`` tensor, stride ``(1,
+    U)``) must not reach them as they are: the op chooses and prices what its definition
+    chooses with the same weights."""
+    from quantscope.kernels import block_ops
+
+    g = torch.Generator().manual_seed(0)
+    units = torch.randn(8, 16, generator=g) * torch.rand(8, 1, generator=g).add(0.1)
+    weights = _importance(units)
+    lo, hi = torch.aminmax(units, dim=1)
+    f, ga = torch.linspace(1.0, 0.5, 8), units.abs().amax().reshape(1)
+    rules = (8, 2, True, True, False)
+    args = {"nvfp4_mse": (units, lo, hi, f, lo, hi, ga, "fp4_e2m1", 2.0 ** -9, *rules),
+            "nvfp4_search": (units, lo, hi, f, lo, hi, ga, "fp4_e2m1", 2.0 ** -9),
+            "mx_mse": (units, lo, hi, f, lo, hi, "fp4_e2m1", "floor", *rules)}[op]
+    want_idx, want_best = getattr(block_ops, f"_torch_{op}")(*args, weights)
+    dev_args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    strided = weights.t().contiguous().t().to(device)  # the same values, rows strided
+    assert strided.stride(1) != 1 and torch.equal(strided.cpu(), weights)
+    assert block_ops._block_kernel(dev_args[0], strided.contiguous()) is not None  # Triton's
+    idx, best = getattr(block_ops, f"_cuda_{op}")(*dev_args, strided)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(best.cpu(), want_best, rtol=1e-12, atol=0)
+
+
 # ---- MX's search: each distinct E8M0 block scale priced once -------------------------------
 
 @settings(max_examples=30, deadline=None)
