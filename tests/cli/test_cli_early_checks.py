@@ -174,3 +174,21 @@ def test_roberta_positions_start_after_its_padding_row():
         assert positions(transformers.BertModel(transformers.BertConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=64, pad_token_id=pad))) == 64
+
+
+@pytest.mark.parametrize("alpha, ok", [("0", True), ("0.5", True), ("1", True),
+                                       ("1.01", False), ("-0.1", False)])
+def test_smooth_takes_an_alpha_in_0_to_1_both_ends_included(alpha, ok):
+    """--smooth ALPHA in [0, 1] (--help; llm-compressor's smoothing_strength): both ends pass
+    the checks before the model loads and reach the calibration's options; past them is
+    refused naming the flag."""
+    from quantscope.cli.checks import UsageError, check_recipe_args
+    from quantscope.cli.running import calibration_options
+
+    args = cli.build_parser().parse_args(["calibrate", "--smooth", alpha])
+    if not ok:
+        with pytest.raises(UsageError, match=r"--smooth must be an alpha in \[0, 1\]"):
+            check_recipe_args(args)
+        return
+    check_recipe_args(args)
+    assert calibration_options(args)["outliers"].smooth == float(alpha)

@@ -68,6 +68,33 @@ def test_input_files_say_what_is_wrong_before_the_model_loads(llama_dir, tmp_pat
     assert "loading" not in err, err
 
 
+@pytest.mark.parametrize("flag,name,text", [
+    ("--calib-file", "report.md", "the cat sat on the mat\na dog ran far away\n"),
+    ("--recipe-file", "recipe.json",
+     '{"rules": [{"targets": ["Linear"], "weight": {"spec": {"format": "int8"}}}]}')])
+def test_an_out_holding_an_input_file_is_refused_before_the_model_loads(
+        llama_dir, tmp_path, capsys, monkeypatch, flag, name, text):
+    """--out may never replace what the command reads: an earlier run's folder holding the
+    --calib-file or --recipe-file given is refused naming that input, before the model loads
+    (mutation s61: without them the refusal came only at saving, after the calibration)."""
+    from quantscope.demo import models
+    from quantscope.exporters.atomic import atomic_dir
+
+    run = tmp_path / "run"
+    with atomic_dir(str(run), what="calibrate-run") as tmp:
+        Path(tmp, name).write_text(text)
+
+    def no_load(*a, **k):
+        raise RuntimeError("the model was loaded")
+    monkeypatch.setattr(models, "load_model", no_load)
+    rc, _, err = _run(capsys, "calibrate", "--model", llama_dir, flag, str(run / name),
+                      "--out", str(run), *FAST)
+    assert rc == 2, err
+    assert (f"error: --out: output {str(run)!r} contains the input {str(run / name)!r}: "
+            f"writing it would replace it") in err, err
+    assert "loading" not in err and (run / name).read_text() == text, err
+
+
 @pytest.mark.parametrize("name,text,said", [
     ("bad.json", '{"rules": [1, 2', "is not valid JSON: Expecting ',' delimiter"),
     ("bad.yaml", "rules: [\n", "parses as neither JSON nor plain YAML"),

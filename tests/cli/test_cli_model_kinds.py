@@ -6,7 +6,7 @@
 * An error message of several lines is printed whole, on one line (only its first line was,
   ending in ':').
 * The default ignore list keeps the model's output head in float whatever its name
-  (Whisper's ``proj_out`` was quantized, and its export refused as tied)."""
+  (Whisper's ``proj_out`` was quantized, and its export refused as tied), and the pooler."""
 
 from __future__ import annotations
 
@@ -84,3 +84,23 @@ def test_the_default_ignore_keeps_any_output_head_in_float():
     named.lm_head = nn.Linear(8, 8)
     named.get_output_embeddings = lambda: named.lm_head
     assert ignored(default, named) == tuple(DEFAULT_IGNORE)  # already matched
+
+
+def test_the_default_ignore_keeps_the_pooler_in_float():
+    """--ignore's default (--help, the guide: the output head and the pooler stay float, as
+    the peers' recipes leave them) leaves a BERT's pooler unquantized; an --ignore of one's
+    own replaces it."""
+    from quantscope.cli.checks import check_recipe_args
+    from quantscope.cli.recipes import build_recipe
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16))
+    found = {}
+    for given in ([], ["--ignore", "*lm_head*"]):
+        args = cli.build_parser().parse_args(["calibrate", *given])
+        check_recipe_args(args)
+        found[bool(given)] = build_recipe(args, model).match(model)
+    assert "pooler.dense" not in found[False] and "encoder.layer.0.output.dense" in found[False]
+    assert "pooler.dense" in found[True]

@@ -1,5 +1,5 @@
-"""Command-line pin found by mutation (s37): --kv-cache without --targets keeps the recipe's
-layers."""
+"""Command-line pins found by mutation: --kv-cache without --targets keeps the recipe's
+layers (s37); compare's "input clipped %" column is a percent (s61)."""
 
 import pytest
 
@@ -43,3 +43,17 @@ def test_compare_table_credits_auto_only_with_the_tensors_it_chose_for():
                                               "mean_clipped": 0.0}}}}}
     _, table = compare_rows(report)
     assert table[1][-1] == "mse 2, imatrix 1; -"
+
+
+def test_compare_table_gives_the_clipped_share_in_percent():
+    """report.json keeps an input's clipped share as a fraction (mean_clipped); the table's
+    "input clipped %" column is that share in percent: 0.0125 is 1.250 %, not 0.013."""
+    from quantscope.cli.compare import compare_rows
+
+    run = {"recipe": "w8a8", "observer": "percentile", "metrics": {"perplexity": 13.0},
+           "info": {}, "layers": [], "summary": {"weight": {"mean_sqnr_db": 40.0},
+                                                 "input": {"mean_sqnr_db": 30.0,
+                                                           "mean_clipped": 0.0125}}}
+    headers, table = compare_rows({"fp32": {"perplexity": 12.5},
+                                   "runs": {"w8a8/percentile": run}})
+    assert table[1][headers.index("input clipped %")] == "1.250"

@@ -148,3 +148,23 @@ def test_a_plot_layer_no_recipe_quantizes_statically_is_refused_up_front(
     assert ("error: --plot-layer 'model.layers.0.mlp.down_proj': none of --recipes quantizes "
             "an input statically") in err, err
     assert "evaluating float" not in err and not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("flags, role", [([], "input"), (["--role", "output"], "output")])
+def test_plot_role_chooses_the_histogram_drawn(tmp_path, capsys, monkeypatch, flags, role):
+    """`plot --role output` draws the output activations' histogram (default: input); the
+    role reached the layer check and the message, but hist.png was the input's (mutation s61)."""
+    from quantscope.calibration.results import plots
+
+    report = _report({"w8a8": False})
+    (row,) = report["runs"]["w8a8/minmax"]["layers"]
+    report["runs"]["w8a8/minmax"]["layers"].append({**row, "role": "output"})
+    report["histograms"]["l/output"] = {"counts": [2, 1], "lo": -9.0, "hi": 9.0}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    drawn = []
+    monkeypatch.setattr(plots, "plot_histogram", lambda report, layer, path, role, recipe,
+                        **kw: drawn.append((layer, role, recipe)))
+    monkeypatch.setattr(plots, "plot_sqnr", lambda *a, **kw: None)
+    rc, out, err = _run(capsys, "plot", str(tmp_path), *flags, "--out", str(tmp_path / "p"))
+    assert rc == 0, err
+    assert drawn == [("l", role, "w8a8")] and f"(l {role}, w8a8's clipping ranges)" in out

@@ -208,6 +208,16 @@ def test_a_broken_pipe_points_stdout_at_devnull_and_leaves_no_file_open(monkeypa
         assert os.path.samestat(os.fstat(out.fileno()), os.stat(os.devnull))
 
 
+@pytest.mark.parametrize("length, said", [(500, "x" * 500),
+                                          (600, "x" * 500 + " ... (--debug shows all)")])
+def test_a_long_error_message_is_cut_after_500_characters(monkeypatch, capsys, length, said):
+    """The one error line holds at most 500 characters of the message, then says that
+    --debug shows all (a long path, a long list of names would fill the terminal)."""
+    _command_raising(monkeypatch, ValueError("x" * length))
+    assert cli.main(["formats"]) == 2
+    assert capsys.readouterr().err == f"quantscope formats: error: {said}\n"
+
+
 def test_an_argparse_error_keeps_the_spaces_of_a_value(capsys):
     # the one-line rule collapsed every run of spaces, the user's value's too ('x y')
     rc, out, err = run_cli(capsys, "calibrate", "--threads", "x  y")

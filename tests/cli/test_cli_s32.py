@@ -21,6 +21,28 @@ def test_allow_lossy_with_onnx_is_refused_naming_the_format(tmp_path, capsys):
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_allow_lossy_reaches_the_compressed_tensors_export(tmp_path, capsys, monkeypatch):
+    """--allow-lossy (compressed-tensors: write the nearest form instead of refusing) is
+    passed on to export_run as given (mutation s61: dropped, a lossy run stayed refused)."""
+    from quantscope.cli import export
+
+    run = tmp_path / "run" / "qparams"
+    run.mkdir(parents=True)
+    (run / "quantscope.json").write_text("{}")
+    asked = []
+
+    def export_run(run_dir, out, format, model, **options):
+        asked.append((format, options["allow_lossy"]))
+        return out
+
+    monkeypatch.setattr(export, "export_run", export_run)
+    for i, flags in enumerate(([], ["--allow-lossy"])):
+        rc, _, err = _run(capsys, "export", str(tmp_path / "run"), *flags,
+                          "--out", str(tmp_path / f"ct{i}"))
+        assert rc == 0, err
+    assert asked == [("compressed-tensors", False), ("compressed-tensors", True)]
+
+
 def test_a_run_whose_model_has_moved_names_model_flag(llama_dir, tmp_path, capsys,
                                                        monkeypatch):
     shutil.copytree(llama_dir, tmp_path / "llama")

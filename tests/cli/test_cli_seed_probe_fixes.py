@@ -26,3 +26,37 @@ def test_seeds_at_the_ends_of_the_range_pass_the_check():
 
     for seed in SEED_RANGE:
         cli.checks.check_seed(Namespace(seed=seed))
+
+
+def test_seed_defaults_to_0_as_documented():
+    """--help and the guide: --seed's default is 0, in calibrate and compare alike (mutation
+    s61: another default changed every default run's batches and samples, unseen)."""
+    parse = cli.build_parser().parse_args
+    assert [parse([command]).seed for command in ("calibrate", "compare")] == [0, 0]
+
+
+def test_seed_reaches_the_order_of_the_calibration_batches(llama_dir, tmp_path, monkeypatch):
+    """--seed also seeds the order of the calibration batches: token_batches gets it."""
+    import inspect
+
+    from quantscope.cli import running
+    from quantscope.demo import models
+
+    class Stop(Exception):
+        pass
+
+    real, seeds = models.token_batches, []
+
+    def batches(*a, **k):
+        seeds.append(inspect.signature(real).bind(*a, **k).arguments.get("seed"))
+        raise Stop
+
+    monkeypatch.setattr(models, "token_batches", batches)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the cat sat on the mat\na dog ran far away\n")
+    args = cli.build_parser().parse_args([
+        "calibrate", "--model", llama_dir, "--calib-file", str(calib), "--calib-docs", "2",
+        "--max-length", "8", "--batch-size", "2", "--device", "cpu", "--seed", "7"])
+    with pytest.raises(Stop):
+        running.load_setup(args, running.Phases(quiet=True))
+    assert seeds == [7]
