@@ -8,9 +8,8 @@ import shutil
 import pytest
 import torch
 
-from quantscope import kernels
+from quantscope import kernels, presets, qparams
 from quantscope.kernels import cache
-from quantscope.stats import minmax
 
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
@@ -34,39 +33,41 @@ def test_fast_math_in_cc_keeps_nan_checks(fresh, monkeypatch, flag):
     assert _nan_range_reported()
 
 
-def _refused(folder):
-    x = torch.randn(4, 64)
+def _refused():
+    """int_qparams (the quickest library to build: these paths are every library's) is
+    refused, and qparams_from_range runs its torch branch."""
+    lo, hi = -torch.rand(8), torch.rand(8)
     with pytest.warns(kernels.KernelWarning, match="it is not yours alone"):
-        assert kernels.lib("unit_minmax") is None
-    lo, hi = minmax.unit_minmax(x)  # the torch path
-    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+        assert kernels.lib("int_qparams") is None
+    assert qparams._int_qparams_kernel(lo, hi, presets.get("int8")) is None
+    assert qparams.qparams_from_range(lo, hi, presets.get("int8")).scale.shape == (8,)
 
 
 @needs_cc
 def test_world_writable_cache_folder_is_refused(fresh):
     fresh.mkdir()
     fresh.chmod(0o777)  # a shared folder: anyone could plant a library under the key's name
-    _refused(fresh)
+    _refused()
     assert not list(fresh.glob("*.so"))
 
 
 @needs_cc
 def test_cached_library_others_can_write_is_not_loaded(fresh, monkeypatch):
-    assert kernels.lib("unit_minmax") is not None
-    (built,) = fresh.glob("unit_minmax-*.so")
+    assert kernels.lib("int_qparams") is not None
+    (built,) = fresh.glob("int_qparams-*.so")
     built.chmod(0o666)
     monkeypatch.setattr(kernels, "_libs", {})
-    _refused(fresh)
+    _refused()
 
 
 @needs_cc
 def test_built_libraries_are_private_whatever_the_umask(fresh):
     old = os.umask(0o000)
     try:
-        assert kernels.lib("unit_minmax") is not None
+        assert kernels.lib("int_qparams") is not None
     finally:
         os.umask(old)
-    (built,) = fresh.glob("unit_minmax-*.so")
+    (built,) = fresh.glob("int_qparams-*.so")
     assert fresh.stat().st_mode & 0o077 == 0
     assert built.stat().st_mode & 0o077 == 0
 
@@ -117,7 +118,7 @@ def test_a_build_removes_the_scratch_folders_killed_builds_left(fresh):
     others[1].mkdir()
     for folder in (dead, others[0], others[1]):
         os.utime(folder, (os.path.getmtime(folder) - old,) * 2)
-    assert kernels.lib("unit_minmax") is not None  # builds into the cache
+    assert kernels.lib("int_qparams") is not None  # builds into the cache
     assert not dead.exists()
     assert running.exists() and all(p.exists() for p in others)
     assert not [p for p in fresh.glob(f"{cache._SCRATCH}*") if p not in (running,)]
