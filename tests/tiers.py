@@ -14,18 +14,20 @@ import torch
 extended = pytest.mark.extended
 
 
-def each_value(*axes):
+def each_value(*axes, ids=None):
     """The product of ``axes`` as ``pytest.param`` s, the combinations beyond the few that
     show every value of every axis marked ``extended``: combination ``i`` of those takes
     each axis's value ``i`` (modulo its length), so ``make test`` runs as many as the
     longest axis has values, and ``make test-extended`` the rest of the product. A tuple
-    value fills as many arguments as it holds, as a row of ``parametrize`` does."""
+    value fills as many arguments as it holds, as a row of ``parametrize`` does. ``ids``
+    names a value in the case's id (as ``parametrize``'s callable ``ids``; by default
+    strings, numbers and dtypes name themselves and other values leave the id to pytest)."""
     covered = {tuple(i % len(axis) for axis in axes) for i in range(max(map(len, axes)))}
     params = []
     for index in itertools.product(*(range(len(axis)) for axis in axes)):
         values = [v for axis, i in zip(axes, index)
                   for v in (axis[i] if isinstance(axis[i], tuple) else (axis[i],))]
-        names = [_name(v) for v in values]
+        names = [(ids or _name)(v) for v in values]
         params.append(pytest.param(*values, id=None if None in names else "-".join(names),
                                    marks=() if index in covered else (extended,)))
     return params

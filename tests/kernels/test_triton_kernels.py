@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from tiers import each_value
 
 pytest.importorskip("triton")
 
@@ -573,10 +574,9 @@ def _price_fp_reference(units, scale, name):
     return _price_reference(units, scale, torch.zeros_like(scale), QuantSpec(name))
 
 
-@pytest.mark.parametrize("name", FP_FORMATS)
-@pytest.mark.parametrize("kind", ["mx", "nvfp4"])
-@pytest.mark.parametrize(("U", "E", "blocks"), [(5, 16, {}), (4, 32, {"block_u": 2}),
-                                                (6, 40, {}), (4, 40, {"block_e": 16})])
+@pytest.mark.parametrize(("U", "E", "blocks", "kind", "name"), each_value(
+    [(5, 16, {}), (4, 32, {"block_u": 2}), (6, 40, {}), (4, 40, {"block_e": 16})],
+    ["mx", "nvfp4"], FP_FORMATS, ids=lambda v: str(v).replace(" ", "")))
 def test_mse_price_fp(device, name, kind, U, E, blocks):
     """Every candidate priced on every unit equals torch's float64 sum of its float32 errors
     up to the order of the sum; NaN, infinite, zero and huge elements as torch."""
@@ -708,11 +708,9 @@ def test_mse_select_passes_over_nan_errors_as_the_search_state(device, per_unit)
 
 # ---- histogram binning ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("counted", [True, False], ids=["histc", "private"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("absolute", [False, True])
-@pytest.mark.parametrize(("U", "E", "bins", "chunk"), [(3, 500, 64, None), (2, 700, 50, 128),
-                                                       (1, 3000, 2048, 1024), (5, 40, 8, 90)])
+@pytest.mark.parametrize(("U", "E", "bins", "chunk", "absolute", "dtype", "counted"), each_value(
+    [(3, 500, 64, None), (2, 700, 50, 128), (1, 3000, 2048, 1024), (5, 40, 8, 90)],
+    [False, True], DTYPES, [True, False]))  # counted: histc's counts, or the private ones
 def test_hist_add_bitwise(device, dtype, absolute, U, E, bins, chunk, counted):
     """Counts after two batches, the second one widening the range (the grid coarsens and
     the old counts move onto it: stats.histogram.update), equal the torch path's; by bins

@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 from op_names import OpNames
+from tiers import each_value
 from triton_interpreter import fresh_interpreter_test
 
 from quantscope import QuantSpec, presets
@@ -86,9 +87,10 @@ def test_update_state_rounds_its_constants_without_tensors(device, no_triton_gri
     assert not ops_seen.names & {"aten.lift_fresh", "aten._local_scalar_dense", "aten.item"}
 
 
-@pytest.mark.parametrize("kind", sorted(stats_minmax.UPDATES.values()))
-@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("shape", [(1, 60000), (3, 9000), (1, 3000)])  # 30, 5 and 2 chunks
+@pytest.mark.parametrize(("shape", "bad", "kind"), each_value(
+    [((1, 60000),), ((3, 9000),), ((1, 3000),)],  # 30, 5 and 2 chunks (a shape each)
+    [None, float("nan"), float("inf"), float("-inf")], sorted(stats_minmax.UPDATES.values()),
+    ids=str))
 def test_accumulating_step_joins_its_chunks_in_the_state_launch(device, kind, bad, shape):
     """An accumulating observer's step (``minmax_observe``) on few units, whose elements
     the min / max launch splits into chunks: the state launch joins the chunks' extremes (no

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import each_value
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
 from quantscope import QuantSpec, presets, qparams_from_range
@@ -32,8 +33,7 @@ def _qparams(name, spec, xs):
     return obs.calculate_qparams()
 
 
-@pytest.mark.parametrize("spec", list(SPECS), ids=str)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "spec"), each_value(NAMES, list(SPECS)))
 def test_default_dtype_float64_changes_nothing(name, spec):
     if name in HISTOGRAMS and spec in ("nvfp4", "group:32"):
         pytest.skip("histograms of many units (slow): their kernels run on channel, group:128:0")
@@ -120,8 +120,7 @@ def _assert_same(want, got, what):
                             f"{g.dtype} {tuple(g.shape)}"
 
 
-@pytest.mark.parametrize("spec", list(FAMILY_SPECS))
-@pytest.mark.parametrize("name", [*NAMES, "placeholder"])
+@pytest.mark.parametrize(("name", "spec"), each_value([*NAMES, "placeholder"], list(FAMILY_SPECS)))
 def test_default_dtype_float16_float64_change_no_state_or_qparams(name, spec):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, 128, generator=g, dtype=torch.float32)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import each_value
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import quantscope
@@ -55,12 +56,10 @@ def assert_same(half, single):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("piece", [7, 40, 1 << 18], ids=lambda p: f"piece{p}")
-@pytest.mark.parametrize("dtype", HALVES, ids=str)
-@pytest.mark.parametrize("spec", SPECS, ids=str)
-@pytest.mark.parametrize("name, kw", [("histogram", {}), ("percentile", {}), ("kl", {}),
-                                      ("histogram_mse", {}), ("mix", {}),
-                                      ("percentile", {"skip_zeros": True})])
+@pytest.mark.parametrize(("name", "kw", "spec", "dtype", "piece"), each_value(
+    [("histogram", {}), ("percentile", {}), ("kl", {}), ("histogram_mse", {}), ("mix", {}),
+     ("percentile", {"skip_zeros": True})], SPECS, HALVES, [7, 40, 1 << 18],
+    ids=lambda v: str(v).replace(" ", "")))  # piece: the C binning's widening piece
 def test_half_batches_bin_as_their_float32_values(name, kw, spec, dtype, piece, monkeypatch):
     """Pieces of 7 values (inside a row), 40 (one row) and the default: the same state and
     qparams as the float32 copy's."""

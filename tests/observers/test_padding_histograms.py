@@ -8,6 +8,7 @@ layout), batch after batch: the reference values here are sliced out of ``x`` di
 
 import pytest
 import torch
+from tiers import each_value
 
 import quantscope
 from quantscope import Block, QuantSpec, Tensor, Tile, get_observer
@@ -85,16 +86,14 @@ def check_padded_units_match(name, opts, layout, shape, several, symmetric, sign
         assert scale[k] == ref.scale.reshape(-1)[0] and zp[k] == ref.zero_point.reshape(-1)[0], k
 
 
-@pytest.mark.parametrize("several", [False, True], ids=["one_batch", "batches"])
-@pytest.mark.parametrize("layout,shape", LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
-@pytest.mark.parametrize("name,opts", OBSERVERS, ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.parametrize(("name", "opts", "layout", "shape", "several"), each_value(
+    OBSERVERS, LAYOUTS, [False, True], ids=lambda v: str(v).replace(" ", "")))
 def test_padded_unit_equals_its_real_values_alone(name, opts, layout, shape, several):
     check_padded_units_match(name, opts, layout, shape, several, symmetric=True, signed=True)
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["positive", "signed"])
-@pytest.mark.parametrize("layout,shape", LAYOUTS[:3], ids=lambda v: str(v).replace(" ", ""))
-@pytest.mark.parametrize("name,opts", OBSERVERS, ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.parametrize(("name", "opts", "layout", "shape", "signed"), each_value(
+    OBSERVERS, LAYOUTS[:3], [False, True], ids=lambda v: str(v).replace(" ", "")))
 def test_padded_unit_equals_alone_asymmetric(name, opts, layout, shape, signed):
     # signed histograms; all-positive data: a padded unit's min stays its real min, not 0
     check_padded_units_match(name, opts, layout, shape, True, symmetric=False, signed=signed)
