@@ -98,6 +98,18 @@ class Sqrt(torch.nn.Module):
         return x.sqrt()
 
 
+class SharedInput(torch.nn.Module):
+    """q and k reading one input: a fusion group (one runtime input scale), q its lead."""
+
+    def __init__(self, width=16, out=8, bias=True):
+        super().__init__()
+        self.q = torch.nn.Linear(width, out, bias=bias)
+        self.k = torch.nn.Linear(width, out, bias=bias)
+
+    def forward(self, x):
+        return self.q(x) + self.k(x)
+
+
 class LinearTwice(torch.nn.Module):
     """A Linear called twice, then another: in an ONNX export its codes feed two
     DequantizeLinear nodes."""

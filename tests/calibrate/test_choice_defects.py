@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import SharedInput
 from torch import nn
 
 from quantscope import calibrate, presets
@@ -22,20 +23,10 @@ from quantscope.qparams import qparams_from_range
 CANDIDATES = ("minmax", "mse", "percentile")
 
 
-class _Fused(nn.Module):
-    """Two Linears reading one tensor (a fused q / k): one runtime input scale."""
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k = nn.Linear(16, 8), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.q(x) + self.k(x)
-
 
 def _fused(seed):
     torch.manual_seed(seed)
-    model = _Fused().eval()
+    model = SharedInput(16, 8).eval()
     with torch.no_grad():
         model.k.weight.mul_(torch.rand(16) * 6)  # k weighs the channels q ignores
     g = torch.Generator().manual_seed(seed)

@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import SharedInput
 from torch import nn
 
 import quantscope
@@ -31,17 +32,6 @@ def test_float64_values_past_float32_are_refused_by_name_for_run_time_roles_too(
         quantscope.calibrate(model, [x], recipe, progress=False)
 
 
-class _Attn(nn.Module):
-    """q and k read one input: a fusion group, q its lead."""
-
-    def __init__(self):
-        super().__init__()
-        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.q(x) + self.k(x)
-
-
 @pytest.mark.parametrize("raising", ["q", "k"])
 def test_a_nan_batch_names_the_group_member_whose_run_time_role_raises(raising):
     (ignore,) = preset("w8a8-dynamic", non_finite="ignore").rules
@@ -54,4 +44,4 @@ def test_a_nan_batch_names_the_group_member_whose_run_time_role_raises(raising):
     batches[1][2, 3] = float("nan")
     with pytest.raises(ValueError, match=rf"^calibrate: layer '{raising}' input: calibration "
                                          rf"batch 1 \(counting from 0\) brought NaN or inf"):
-        quantscope.calibrate(_Attn(), batches, recipe, progress=False)
+        quantscope.calibrate(SharedInput(8, 8), batches, recipe, progress=False)

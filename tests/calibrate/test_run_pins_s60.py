@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import SharedInput
 from torch import nn
 
 import quantscope
@@ -163,16 +164,12 @@ def test_a_groups_shared_input_minimises_the_members_total_output_error():
     assert {c.states[m]["input"].observer for m in ("q", "k", "v")} == {by_sum}
 
 
-class _QK(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.q, self.k = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
-        with torch.no_grad():
-            self.k.weight.mul_(20.0)  # k's range much wider than q's
-
-    def forward(self, x):
-        return self.q(x) + self.k(x)
+def _qk():
+    torch.manual_seed(0)
+    model = SharedInput(16, 16, bias=False)
+    with torch.no_grad():
+        model.k.weight.mul_(20.0)  # k's range much wider than q's
+    return model
 
 
 _FP8 = QuantSpec("fp8_e4m3", "tensor")
@@ -182,7 +179,7 @@ def test_a_shared_fp8_weight_scale_is_what_each_members_report_row_describes():
     """fp8 per-tensor q/k share one weight scale (the joined weight's amax / 448, k's): q's
     report row is made again from the scale served, not left as q's own min-max."""
     batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    model = _QK()
+    model = _qk()
     rec = Recipe((Rule(("Linear",), weight=Role(_FP8, "minmax"), input=Role(_FP8, "minmax")),))
     c = _quiet(quantscope.calibrate, model, batches, rec, progress=False)
     amax = float(torch.cat([model.q.weight, model.k.weight]).detach().abs().max())
@@ -198,7 +195,7 @@ def test_a_shared_fp8_weight_scale_is_what_each_members_report_row_describes():
 def test_members_whose_weight_roles_differ_keep_scales_of_their_own():
     """q min-max, k mse: no one observer for the joined weight; q's scale is its own amax/448."""
     batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    model = _QK()
+    model = _qk()
     rec = Recipe((Rule(("q",), weight=Role(_FP8, "minmax"), input=Role(_FP8, "minmax")),
                   Rule(("k",), weight=Role(_FP8, "mse"), input=Role(_FP8, "minmax"))))
     c = _quiet(quantscope.calibrate, model, batches, rec, progress=False)
