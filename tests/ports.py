@@ -16,19 +16,24 @@ import torch
 import torch.distributed.nn
 import torch.multiprocessing as mp
 
-# The ranks are forked from a server process that has imported torch once per test worker:
-# a spawned rank imports torch anew, seconds each under make test's load, times two ranks,
-# times every module that starts a group. The server is single-threaded (fork-safe, unlike a
-# pytest worker) and never starts a group; start_ranks gives each rank its parent's
+# The ranks are forked from a server process that has imported torch, quantscope and the
+# tiny Llama's transformers modules once per test worker: a spawned rank imported them anew,
+# seconds each under make test's load, times two ranks, times every module that starts a
+# group (preloading quantscope and transformers took 5 distributed modules from 157 s to
+# 106 s). The server is single-threaded (fork-safe, unlike a pytest worker), never starts a
+# group, and reads no environment at import; start_ranks gives each rank its parent's
 # environment, as a spawn would. (The server imports from its own default sys.path, Python
-# 3.11 ignores the parent's: only installed modules are preloaded, torch.distributed.nn for
-# the reason above.)
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed.nn", "torch.multiprocessing"])
+# 3.11 ignores the parent's: only installed modules and PYTHONPATH's are preloaded, a failed
+# preload is skipped silently; torch.distributed.nn for the reason above.)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.nn", "torch.multiprocessing",
+                                         "quantscope", "quantscope.calibration", "transformers",
+                                         "transformers.models.llama.modeling_llama"])
 
 
 def start_ranks(fn, args: tuple, nprocs: int) -> mp.ProcessContext:
     """``mp.spawn(fn, args, nprocs, join=False)``, the processes forked from the server that
-    has torch loaded: ``fn(rank, *args)`` runs in each with this process's ``os.environ``."""
+    has torch and quantscope loaded: ``fn(rank, *args)`` runs in each with this process's
+    ``os.environ``."""
     return mp.start_processes(_with_environ, args=(dict(os.environ), fn, args), nprocs=nprocs,
                               join=False, start_method="forkserver")
 
