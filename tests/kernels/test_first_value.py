@@ -27,3 +27,19 @@ def test_reads_the_first_value(t, dtype, want):
 ])
 def test_none_where_torch_must_read_it(t, dtype):
     assert kernels.first_value(t, dtype) is None
+
+
+def test_read_and_write_refuse_more_values_than_the_tensor_holds():
+    """``read(t, count)`` / ``write(t, *values)`` go through ``t``'s memory: past its
+    ``numel()`` they would read or write memory that is not ``t``'s (here its base's, so a
+    mutant reads values of the base instead of raising), so they raise a ``ValueError``, or
+    ``read`` returns None when not ``strict`` (s62 mutant K11: the length test dropped)."""
+    base = torch.arange(4.0)
+    t = base[:2]
+    assert kernels.read(t, 2) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="at least 3 values"):
+        kernels.read(t, 3)
+    assert kernels.read(t, 3, strict=False) is None
+    with pytest.raises(ValueError, match="at least 3 values"):
+        kernels.write(t, 7.0, 8.0, 9.0)
+    assert base.tolist() == [0.0, 1.0, 2.0, 3.0]  # nothing written, the base's memory included

@@ -325,3 +325,59 @@ def test_the_code_range_limit_is_float32s_whatever_the_default_dtype():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "refused"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mbits", [0, 3, 23])
+def test_mse_price_fp_takes_min_exp_down_to_a_normal_rounding_step(device, mbits,
+                                                                    forbid_host_sync):
+    """Pin (s62 mutation P3): ``min_exp`` runs down to ``mbits - 126``, where the rounding
+    step ``2 ** (min_exp - mbits)`` is float32's least normal ``2 ** -126``; one lower makes
+    it subnormal and is refused naming ``min_exp``, on the CPU and in the fake alike (a
+    mutant bounded it at ``mbits - 127`` and priced it)."""
+    units = torch.randn(2, 8).to(device)
+    scale = torch.ones(3, 2, device=device)
+    err = ops.mse_price_fp(units, scale, 448.0, mbits - 126, mbits)
+    assert err.shape == (3, 2) and err.dtype == torch.float64
+    _raises(lambda: ops.mse_price_fp(units, scale, 448.0, mbits - 127, mbits), "mse_price_fp",
+            "min_exp", forbid_host_sync)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["nvfp4_mse", "nvfp4_search", "mx_mse"])
+def test_block_searches_refuse_no_factors(device, op, forbid_host_sync):
+    """Pin (s62 mutation B4): a block search over no candidate factors is refused naming
+    ``factors`` ("a non-empty 1-D float32 tensor"), on the CPU and in the fake alike; a
+    mutant that took them returned every unit's incumbent (index -1) as if searched."""
+    units = torch.randn(3, 16).to(device)
+    lo, hi = units.amin(1), units.amax(1)
+    factors, ga = torch.ones(0, device=device), torch.ones(1, device=device)
+    nvfp4 = (units, lo, hi, factors, lo, hi, ga, "fp4_e2m1", 1e-8)
+    call = {"nvfp4_mse": lambda: ops.nvfp4_mse(*nvfp4, 0, -1, False, False, False),
+            "nvfp4_search": lambda: ops.nvfp4_search(*nvfp4),
+            "mx_mse": lambda: ops.mx_mse(units, lo, hi, factors, lo, hi, "fp8_e4m3", "floor", 0,
+                                         -1, False, False, False)}[op]
+    _raises(call, op, "factors", forbid_host_sync)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unit_minmax_of_4d_units_takes_no_units_in_the_second_dim(device):
+    """Pin (s62 mutation O1): 4-D ``[U1, U2, E1, E2]`` units need elements (``E1 * E2 > 0``),
+    not units: ``U2 == 0`` is ``U1 * U2 = 0`` units and two empty ranges, as for 2-D units
+    with no rows; a mutant tested ``shape[1:]`` and refused it as "no element per unit"."""
+    units = torch.empty(2, 0, 3, 4, device=device)
+    lo, hi = ops.unit_minmax(units)
+    assert lo.shape == hi.shape == (0,) and lo.dtype == hi.dtype == torch.float32
+    with pytest.raises(ValueError, match="at least one element per unit"):
+        ops.unit_minmax(torch.empty(2, 3, 0, 4, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_unit_minmax_refuses_a_tensor_without_elements_under_its_name(
+        device, forbid_host_sync):
+    """Pin (s62 mutation O3): a ``[U, 0]`` tensor in the group is refused by the group's
+    check, naming ``units[i]``, on the CPU and in the fake alike; a mutant without the test
+    raised ``unit_minmax``'s error on the CPU and traced it (the fake) to two empty results."""
+    units = [torch.randn(2, 4, device=device), torch.empty(3, 0, device=device)]
+    _raises(lambda: ops.grouped_unit_minmax(units), "grouped_unit_minmax", r"units\[1\]",
+            forbid_host_sync)
