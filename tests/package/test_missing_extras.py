@@ -33,12 +33,12 @@ def test_empty_model_and_the_cli_model_name_transformers(without, tmp_path):
 
 
 def test_check_names_safetensors(without, tmp_path):
-    from quantscope.exporters.consistency import _read
+    from quantscope.exporters.value_checks import read_tensor
 
     without("safetensors")
     with pytest.raises(ImportError, match=r"check needs safetensors: pip install "
                                           r"'quantscope\[model\]'"):
-        _read({"x.weight_scale": (tmp_path / "model.safetensors",)}, "x.weight_scale")
+        read_tensor({"x.weight_scale": (tmp_path / "model.safetensors",)}, "x.weight_scale")
 
 
 @pytest.mark.parametrize("module, hidden, says", [

@@ -16,12 +16,14 @@ layer also keeps one input scale for all its experts' ``w13`` and one for their 
 files of any compressed-tensors checkpoint -- quantscope's or another toolkit's -- and
 returns the fused groups (and experts modules) whose shards disagree (in a shared scale's
 value, or in holding it at all: shards of different schemes), plus any scale that is NaN,
-inf or <= 0 (per-channel and group scales too), the fused groups whose shards are in config
+inf or <= 0 (per-channel and group scales too) and any zero point that is no integer of its
+format (:mod:`.value_checks`), the fused groups whose shards are in config
 groups of different schemes (vLLM gives the fused layer one scheme, its first shard's), and
 the fused layers whose fp8 weight blocks would straddle two shards (vLLM's fp8 block layer
 needs every shard but the last to hold whole blocks of rows), and the config groups vLLM has no
 scheme for, whose experts its fused MoE layer refuses, or that quantize a
-``shared_expert_gate`` (:mod:`.serving`). Only the scale tensors are read (and the headers).
+``shared_expert_gate`` (:mod:`.serving`). Only the scale and zero point tensors are read
+(and the headers).
 """
 
 from __future__ import annotations
@@ -32,21 +34,17 @@ import math
 import warnings
 from pathlib import Path
 
-import torch
-
 from .._checks import check_path
 from .._plainchecks import block_structure
 from .moe_slots import expert_slot
 from .read_checks import (
-    SCALE_LEAVES,
     kv_scheme_problem,
     parse_quant_config,
     read_quant_config,
     safetensors_headers,
-    scale_problem,
-    scale_values,
 )
 from .serving import describe, quantized, resolver, scheme_args, unservable
+from .value_checks import read_tensor, scale_problems, zero_point_problems
 
 __all__ = ["FUSED", "block_problems", "check", "format_problems", "split_problems",
            "warn_fused_problems"]
@@ -75,21 +73,6 @@ EXPERT_SHARED = ("input_scale", "input_global_scale")
 #: re-quantizes shards to one scale (float8 weights: vLLM's FP8 path), not int8 (widened)
 SHARED = ("weight_global_scale", "input_global_scale", "input_scale", "weight_scale")
 _FLOAT8 = {"F8_E4M3", "F8_E5M2"}
-
-
-def _read(entries, name) -> torch.Tensor:
-    """The scales tensor ``name`` stands for, as float32 (E8M0 codes decoded)."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError:
-        raise ImportError("check needs safetensors: pip install 'quantscope[model]'") from None
-
-    try:
-        with safe_open(str(entries[name][0]), framework="pt") as f:
-            return scale_values(f.get_tensor(name))
-    except (SafetensorError, RuntimeError, OSError) as e:
-        raise ValueError(f"check: {entries[name][0]}: tensor {name!r} cannot be read "
-                         f"({e})") from None
 
 
 def _group_rows(qc: dict):
@@ -292,28 +275,13 @@ def _expert_problems(entries) -> list[dict]:
             if held and len(held) < len(layers):  # static on some, dynamic / float on others
                 problems.append({"group": module, "layers": layers, "tensor": leaf,
                                  "values": {}, "held_by": held, "experts": slot})
-            vals = {layer: float(_read(entries, f"{layer}.{leaf}").reshape(-1)[0])
+            vals = {layer: float(read_tensor(entries, f"{layer}.{leaf}").reshape(-1)[0])
                     for layer in held
                     if math.prod(entries[f"{layer}.{leaf}"][2] or [1]) == 1}
             finite = [v for v in vals.values() if math.isfinite(v)]
             if len(set(finite)) > 1:
                 problems.append({"group": module, "layers": list(vals), "tensor": leaf,
                                  "values": vals, "experts": slot})
-    return problems
-
-
-def _scale_problems(entries) -> list[dict]:
-    """Every scale, per-channel ones too, that is not finite and > 0."""
-    problems = []
-    for name in entries:
-        layer, _, leaf = name.rpartition(".")
-        if leaf in SCALE_LEAVES:
-            values = _read(entries, name)
-            why = scale_problem(name, values)
-            if why:
-                problems.append({"tensor": name, "values": {layer: float(
-                    values[~torch.isfinite(values) | (values <= 0)].reshape(-1)[0])},
-                    "non_finite": True, "why": why})
     return problems
 
 
@@ -324,6 +292,8 @@ def check(path) -> list[dict]:
     scale name, "values": {layer: value}}`` for shards that disagree (with ``"held_by":
     [layers]`` where only some shards hold the scale: their schemes differ), or
     ``{"tensor": name, "values": {...}, "non_finite": True}`` for a NaN / inf scale,
+    ``{"tensor": name, "values": {}, "zero_point": True, "why": why}`` for a zero point that
+    is no integer of its format (checked where compressed-tensors is installed),
     ``{"group": "kv_cache_scheme", "tensor": "config", "kv": why}`` for a KV cache scheme the
     export never writes and the reader refuses (``read_checks.KV_SCHEME``: vLLM would run its
     scales as fp8 ones; checked where compressed-tensors is installed), and
@@ -348,10 +318,11 @@ def check(path) -> list[dict]:
     if not folder.is_dir():
         raise FileNotFoundError(f"check: {str(path)!r} is not a directory")
     cfg_file, _, qc = read_quant_config(folder, "check")
-    problems = []
+    problems, parsed = [], None
     if importlib.util.find_spec("compressed_tensors") is not None:  # optional (peers extra)
         # the fields from_compressed_tensors reads; the KV cache scheme it and the export take
-        kv = parse_quant_config(cfg_file, qc, "check").kv_cache_scheme
+        parsed = parse_quant_config(cfg_file, qc, "check")
+        kv = parsed.kv_cache_scheme
         if kv is not None and (why := kv_scheme_problem(kv)):
             problems.append({"group": "kv_cache_scheme", "layers": [], "tensor": "config",
                              "values": {}, "kv": f"{cfg_file}: quantization_config."
@@ -364,7 +335,8 @@ def check(path) -> list[dict]:
     strategy, scheme = _weight_strategies(qc), _schemes(qc)
     problems += [{"group": name, "layers": targets, "tensor": "config", "values": {},
                   "vllm": why} for name, targets, why in unservable(qc, entries)]
-    problems += _scale_problems(entries)
+    problems += scale_problems(entries)
+    problems += [] if parsed is None else zero_point_problems(parsed, entries)
     problems += block_problems(qc, entries)
     for group, every, layers in _fused(entries):
         if split := _split_problem(group, every, layers):  # the ignore list split it
@@ -382,7 +354,7 @@ def check(path) -> list[dict]:
                                  "values": {}, "held_by": held})
             if len(held) < len(layers) or not _held_once(leaf, layers, entries, strategy):
                 continue
-            vals = {layer: float(_read(entries, n).reshape(-1)[0])
+            vals = {layer: float(read_tensor(entries, n).reshape(-1)[0])
                     for layer, n in zip(layers, names)}
             finite = [v for v in vals.values() if math.isfinite(v)]
             if len(set(vals.values())) > 1 and finite:
@@ -452,7 +424,7 @@ def format_problems(problems: list[dict]) -> str:
             lines.append(f"{p['group']}: {p['tensor']} differs across the experts' "
                          f"{p['experts']} inputs, which the fused MoE layer{kernels} "
                          f"quantizes with one scale: {vals}")
-        elif p.get("non_finite"):
+        elif p.get("non_finite") or p.get("zero_point"):
             # "why" names the tensor itself
             lines.append(p["why"] if p.get("why") else f"{p['tensor']}: not finite ({vals})")
         else:

@@ -52,6 +52,7 @@ from .read_checks import (
     scale_problem,
     storage_problem,
     unexpected_qparam,
+    zero_point_problem,
 )
 from .read_refusals import KV_SCALE, refuse_attention_groups, refuse_unread
 from .registry import register_reader
@@ -163,11 +164,8 @@ def _qparam(t: torch.Tensor, qshape, module: str, key: str, spec) -> torch.Tenso
         raise ValueError(f"from_compressed_tensors: {module}.{key} has shape "
                          f"{list(t.shape)}, expected {list(qshape)}")
     if key.endswith("zero_point"):
-        whole = not t.is_floating_point() or bool((t == t.round()).all())
-        if t.numel() and not (whole and spec.qmin <= float(t.min()) <= float(t.max())
-                              <= spec.qmax):
-            raise ValueError(f"from_compressed_tensors: {module}.{key} holds values that are "
-                             f"no integers in [{int(spec.qmin)}, {int(spec.qmax)}] ({spec})")
+        if why := zero_point_problem(f"{module}.{key}", t, spec):
+            raise ValueError(f"from_compressed_tensors: {why}")
         return t.to(torch.int32).reshape(qshape)
     if not t.is_floating_point():
         raise ValueError(f"from_compressed_tensors: {module}.{key} is {t.dtype}, not a "

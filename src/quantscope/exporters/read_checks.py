@@ -23,7 +23,8 @@ __all__ = ["KV_SCHEME", "SCALE_LEAVES", "ZERO_POINTS", "check_kv_scheme", "compr
            "exact_pattern", "fmt_name", "kv_scale_layer", "kv_scheme_problem",
            "load_checked_tensors", "missing_zero_point", "neutral_qparams", "parse_quant_config",
            "read_quant_config", "refuse_not_run", "rewriting_modifiers", "safetensors_headers",
-           "scale_problem", "scale_values", "storage_problem", "unexpected_qparam"]
+           "scale_problem", "scale_values", "storage_problem", "unexpected_qparam",
+           "zero_point_problem"]
 
 #: tensors that are scales: finite and > 0 (a zero or negative scale divides by zero or
 #: flips signs at run time)
@@ -270,6 +271,17 @@ def scale_problem(name: str, tensor: torch.Tensor) -> str | None:
     bad = t <= 0
     if bool(bad.any()):
         return f"{name} holds a scale <= 0 ({float(t[bad].reshape(-1)[0])!r})"
+    return None
+
+
+def zero_point_problem(name: str, tensor: torch.Tensor, spec) -> str | None:
+    """Why the zero point tensor ``name`` cannot be ``spec``'s (None when every value is an
+    integer of its format, in ``[qmin, qmax]``)."""
+    whole = not tensor.is_floating_point() or bool((tensor == tensor.round()).all())
+    if tensor.numel() and not (whole and spec.qmin <= float(tensor.min())
+                               <= float(tensor.max()) <= spec.qmax):
+        return (f"{name} holds values that are no integers in [{int(spec.qmin)}, "
+                f"{int(spec.qmax)}] ({spec})")
     return None
 
 
