@@ -188,10 +188,26 @@ def test_every_recipe_of_one_pass_carries_the_smoothing():
 
 
 def test_nothing_seen_nothing_smoothed():
+    """No batch: no range to go by, the model left as it was, and said (smooth is public:
+    an empty list or spent generator would otherwise pass without a word)."""
     model, _ = _llama()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    info = smooth(model, [], 0.5)  # no batch: no range to go by
+    with pytest.warns(UserWarning, match=r"^smooth: no layer it smooths saw a batch"):
+        info = smooth(model, iter(()), 0.5)
     assert info["smoothed"] == [] and len(info["skipped"]) == 6 and info["scales"] == {}
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("one", ["dict", "tensor"])
+def test_one_batch_not_in_a_list_is_refused_as_calibrate_refuses_it(one):
+    """One dict would run as its key strings, one tensor as its rows: each failed inside the
+    model, naming neither smooth nor batches; now calibrate's TypeError, before any change."""
+    model, batches = _llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = batches[0] if one == "dict" else batches[0]["input_ids"]
+    with pytest.raises(TypeError, match=r"^smooth: batches must be an iterable of batches, "
+                                        r"got one (dict|Tensor) \(a single batch\)"):
+        smooth(model, batch, 0.5)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 

@@ -60,6 +60,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..._checks import outside_quantscope
+from ..run.batches import check_batches
 from ..structure.tied import holders, memory, sharers
 from .smooth_ranges import channel_ranges
 
@@ -278,6 +279,7 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
     leaves the activations, 1 moves all of their range into the weights. ``originals``, a
     dict, receives a CPU copy of every parameter before it is changed, for :func:`restore`."""
     alpha = check(alpha)
+    check_batches(batches, "smooth")  # one dict or tensor would run as its keys or rows
     mappings = find_mappings(model)
     if not mappings:  # an option set in vain: said, as keep_float says its own
         warnings.warn("smooth: the model has no pair SmoothQuant smooths (MAPPINGS: a decoder "
@@ -310,6 +312,9 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
         _write(modules, new)
         done.append(m.previous)
         scales[m.previous] = s.cpu()
+    if mappings and not ranges:  # no batch ran (on any rank): said, as no pair is
+        warnings.warn("smooth: no layer it smooths saw a batch (is batches empty?); "
+                      "nothing was smoothed", stacklevel=outside_quantscope())
     return {"alpha": float(alpha), "smoothed": done, "skipped": list(why), "why": why,
             "scales": scales}
 
