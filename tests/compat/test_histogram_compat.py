@@ -70,6 +70,19 @@ def test_quark_mse_function_equals_a_loop_of_its_steps(fmt):
     assert float(amax) == float(centers[1800 + 3 * int(np.argmin(mses))])
 
 
+def test_quark_mse_of_subnormal_data_searches_quarks_own_grid():
+    """Quark's searches read its own grid (``scales_subnormal`` is False: the histogram goes
+    to them as it is, not scaled into the normal range as the native first grids' estimates
+    are). Over subnormal-only data Quark's linspace edges round in steps of ``2 ** -149``;
+    the range is still Quark's MSE function of those counts and edges, not a finer one."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 1e-43
+    obs = qk.PerTensorMSEObserver({"dtype": "int8", "symmetric": False})
+    obs(x)
+    obs.calculate_qparams()
+    _, want = obs.get_min_max_by_mse(obs.calib_hist, obs.calib_bin_edges)
+    assert torch.equal(obs.max_val, want)
+
+
 def test_quark_observers_record_quarks_histogram_on_the_first_batch():
     torch.manual_seed(1)
     x = torch.randn(64, 256)

@@ -182,6 +182,22 @@ def test_global_scale_first_grid_of_subnormal_data_is_scaled_by_one_factor(cls):
     _assert_scaled_back(tiny, normal)
 
 
+@pytest.mark.parametrize("cls", [HistogramMSEObserver, MixObserver])
+def test_global_scale_blocks_of_unlike_magnitudes_share_one_factor(cls):
+    """``normal_width(common=True)`` for a global-scale spec: blocks 2 ** 16 apart are all
+    scaled by the largest one's power of two, so the tensor-wide amax the candidates are
+    priced under scales with every block (a factor per block would scale it by the first
+    block's alone and price the larger blocks' FP8 scales against an amax 2 ** 16 too large).
+    The range is then that of the data scaled into the normal range, scaled back."""
+    t = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 1e-43
+    t[1:] = (t[1:].double() * 2.0 ** 16).float()  # every block's width still underflows
+    tiny, normal = cls(presets.get("nvfp4"), grid="first", bins=256), \
+        cls(presets.get("nvfp4"), grid="first", bins=256)
+    tiny(t)
+    normal((t.double() * 2.0 ** 140).float())
+    _assert_scaled_back(tiny, normal)
+
+
 def test_per_channel_first_grid_scales_only_its_subnormal_units():
     g = torch.Generator().manual_seed(4)
     rows = [torch.randn(512, generator=g) * 1e-43, torch.randn(512, generator=g)]

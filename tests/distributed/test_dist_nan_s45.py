@@ -17,8 +17,9 @@ import torch
 from ports import error_text, rank_results, spawn_ranks
 
 import quantscope
-from quantscope import comm
+from quantscope import QuantSpec, comm
 from quantscope.calibration import Runtime, Sampling
+from quantscope.distributed import sync_observers
 
 pytestmark = pytest.mark.dist  # spawns its own process group
 
@@ -60,6 +61,13 @@ def _scenarios(r, out):
             out[f"dynamic/{row}/{d}"] = error_text(
                 quantscope.calibrate, _mlp(), batches, "w8a8-dynamic", progress=False,
                 sampling=Sampling(tokens=1), runtime=Runtime(distributed=d))
+    # non_finite="ignore": rank r zeroes r + 1 NaN, then the counters sync
+    obs = quantscope.get_observer("static_minmax", QuantSpec("int8"), non_finite="ignore")
+    x = torch.ones(2, 8)
+    x[0, :r + 1] = float("nan")
+    obs(x)
+    sync_observers([obs])
+    out["ignored"] = int(obs.non_finite_count)
     out["after"] = comm.all_sum(comm.rank() + 1)  # the ranks are still in step
 
 
@@ -90,6 +98,13 @@ def test_a_dynamic_roles_unsampled_nan_raises_the_one_process_error_on_every_ran
         "ValueError: calibrate: layer '0' input: calibration batch 1 (counting from 0) brought "
         "NaN or inf values (dynamic role, observer 'memoryless_minmax')"), one[0]
     assert rank_results(ranks, f"dynamic/{row}/True") == one
+
+
+def test_the_ranks_counts_of_ignored_nan_add_up_in_the_sync(ranks):
+    """``non_finite_count`` (what ``non_finite="ignore"`` zeroed, said in the qparams warning)
+    is a SUM counter like the token count: after the sync every rank holds one process's
+    count of both ranks' batches, 1 + 2, not its own."""
+    assert rank_results(ranks, "ignored") == [1 + 2] * 2
 
 
 def test_the_ranks_stay_in_step_after_the_nan(ranks):

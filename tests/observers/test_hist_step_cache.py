@@ -210,6 +210,19 @@ def test_not_taken_where_the_general_path_differs(monkeypatch):
     assert "_hist_plans" not in obs.__dict__
 
 
+def test_a_strided_batch_of_a_planned_shape_is_read_as_its_own_values():
+    """Plans are kept per ``(shape, stride, dtype)``: a batch of a planned contiguous shape
+    that is a strided view (the first half of each row of a wider tensor) is no one block of
+    memory, so it takes the general path and counts its own values, not the memory after its
+    first row (the other half, here 100s)."""
+    wide = g(1, 8, 128)
+    wide[:, 64:] = 100.0  # the columns the view leaves out
+    obs, twin = pair("percentile")
+    feed(obs, twin, [g(0, 8, 64), wide[:, :64]])
+    assert float(obs.max_vals.max()) < 100.0
+    ranges_equal(obs, twin)
+
+
 def test_a_first_grid_batch_inside_the_native_window_keeps_the_general_path(monkeypatch):
     """``grid="first"`` (torch.ao's linear grid, set by the first batch) is never the cached
     step's: its state (``hist_exp`` -126, ``hist_first`` 0) leaves the fused pass a window so

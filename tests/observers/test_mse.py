@@ -328,6 +328,42 @@ def test_moving_average_mse_is_an_ema_of_the_searches():
         ema(weight(shape=(8, 256)))
 
 
+def test_compat_moving_average_mse_is_llmcompressors_lerp():
+    """``compat="llmcompressor"`` averages with their ``lerp``, ``s * (1 - c) + b * c`` in
+    float32 (the module doc), not torch.ao's ``s + c * (b - s)``: the two round differently,
+    so the state is bitwise the lerp of the compat searches."""
+    spec, c = SPECS["int4-g32"], 0.01
+    ema = get_observer("mse", spec, averaging_constant=c, compat="llmcompressor")
+    one = get_observer("memoryless_mse", spec, compat="llmcompressor")
+    lo = hi = None
+    for x in (weight(seed=0), weight(seed=1) * 3):
+        ema(x)
+        one(x)
+        blo, bhi = one.calculate_range()
+        lo = blo.clone() if lo is None else lo * (1 - c) + blo * c
+        hi = bhi.clone() if hi is None else hi * (1 - c) + bhi * c
+    assert torch.equal(ema.min_vals, lo) and torch.equal(ema.max_vals, hi)
+
+
+def test_moving_average_mse_averages_the_nvfp4_global_amax_like_the_ranges():
+    """The class promise: "NVFP4's global amax is averaged the same way" as the ranges. The
+    first call takes the search's global amax, each later one moves it ``c`` of the way to
+    the batch's (torch.ao's ``s + c * (b - s)``), so a second batch of ten times the amax
+    shows in it."""
+    spec, c = SPECS["nvfp4"], 0.25
+    ema = get_observer("mse", spec, averaging_constant=c)
+    one = get_observer("memoryless_mse", spec)
+    batches, want = [], None
+    for x in (weight(seed=0), weight(seed=1) * 10):
+        ema(x)
+        one(x)
+        batch = one.global_amax()
+        batches.append(batch.clone())
+        want = batch.clone() if want is None else want + c * (batch - want)
+    assert torch.equal(ema.global_amax(), want)
+    assert float(want) > 2 * float(batches[0])  # far from the first batch's alone
+
+
 def test_horizon_compat_mse_observer():
     """Horizon's MSEObserver: per batch the native linear search's factor ``f`` of each
     channel, then an EMA of each signed end times it (``min * f``, ``max * f``)."""

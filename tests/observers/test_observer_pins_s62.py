@@ -5,8 +5,9 @@ the reference binning of ``grid="first"``), never from a printed result."""
 import pytest
 import torch
 
-from quantscope import QuantSpec
+from quantscope import QuantSpec, presets
 from quantscope.observers import get_observer
+from quantscope.qparams import qparams_from_range
 
 ASYM = QuantSpec("uint8", symmetric=False)
 
@@ -82,3 +83,20 @@ def test_a_first_grid_l2_histogram_is_not_bounded_by_the_data(spec):
                              o.global_amax())
     for got, ref in zip(o.calculate_range(), want, strict=True):
         assert torch.equal(got, ref)
+
+
+def test_imatrix_nvfp4_keeps_the_global_amax_its_search_priced_under():
+    """NVFP4's candidates are priced under the weight's own ``max |x|`` (the incumbent's
+    global amax): the observer keeps it, so its qparams carry that global scale, not one
+    derived from the chosen ranges, which the search shrank below it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g)
+    importance = torch.rand(64, generator=g) + 0.1
+    w[0, 0], importance[0] = 6.0, 1e-3  # an outlier of an input channel that hardly matters
+    o = get_observer("imatrix_mse", presets.NVFP4, importance=importance)
+    o(w)
+    amax = w.abs().max()
+    assert float(torch.maximum(-o.min_vals, o.max_vals).max()) < float(amax)
+    assert torch.equal(o.global_amax(), amax)
+    want = qparams_from_range(o.min_vals, o.max_vals, presets.NVFP4, global_amax=amax)
+    assert torch.equal(o.qparams().global_scale, want.global_scale)

@@ -46,6 +46,17 @@ def test_native_search_with_expand_does_not_blame_expand():
     assert "expand" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["memoryless_mse", "mse"])
+def test_compat_search_without_expand_does_not_blame_expand(name):
+    """``overflow_cause`` names compat's ``expand`` only where it widens the search
+    (``expand != 1``): llm-compressor's search from the observed range itself (the default)
+    picks no candidate past it, so a compat moving average names its update alone and a
+    memoryless one no cause of its own."""
+    o = _fed(name, QuantSpec("int8"), torch.randn(4, 8), compat="llmcompressor")
+    assert o.options["expand"] == 1
+    assert "expand" not in o.overflow_cause
+
+
 def test_compat_moving_average_with_expand_names_both_causes():
     w = torch.tensor([[3.0e38, -1.0, 2.0, 0.5] * 8])
     o = _fed("mse", QuantSpec("int8"), w, expand=1.5, compat="llmcompressor")
