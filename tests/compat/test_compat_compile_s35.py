@@ -67,6 +67,7 @@ def test_a_non_finite_weight_traced_is_refused_when_its_qparams_are_made():
         observer.get_qparams()
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [("PerTensorMinMaxObserver", {"dtype": "int8",
                                                                    "symmetric": True}),
                                       ("PlaceholderObserver", {"dtype": "bfloat16"})])

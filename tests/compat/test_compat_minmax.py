@@ -414,6 +414,7 @@ def test_against_llmcompressor_observers():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_against_quark_observers():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     from quark.torch.quantization.config.config import QTensorConfig

@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.peers
 
-pytest.importorskip("quark.torch.quantization.observer.observer")
+pytest.importorskip("quark")
 pytest.importorskip("llmcompressor")
 with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -37,6 +37,7 @@ def _quiet(fn, *args):
         logging.disable(logging.NOTSET)
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int4", "fp8_e4m3"])
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -57,6 +58,7 @@ def test_qparams_after_empty_batches_only_are_quarks(name, dtype, symmetric):
         ours._calculate_qparams()
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
 def test_a_module_cast_after_empty_batches_casts_quarks_grid(name, dtype):
@@ -71,6 +73,7 @@ def test_a_module_cast_after_empty_batches_casts_quarks_grid(name, dtype):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (want, got)
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("name", "kw", "x"), [
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 1}, torch.randn(8)),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}, torch.tensor(1.5)),

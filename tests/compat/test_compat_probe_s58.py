@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.peers
 
-pytest.importorskip("quark.torch.quantization.observer.observer")
+pytest.importorskip("quark")
 pytest.importorskip("llmcompressor")
 with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -42,6 +42,7 @@ AXIS_CLASSES = [("PerChannelMinMaxObserver", {"qscheme": "per_channel"}),
                 ("PerGroupMinMaxObserver", {"qscheme": "per_group", "group_size": 8})]
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("name", "kw"), AXIS_CLASSES)
 @pytest.mark.parametrize("shape", [(0,), (0, 16), (16, 0)])
 @pytest.mark.parametrize("axis", [1, 3])
@@ -53,6 +54,7 @@ def test_an_empty_batch_is_passed_over_whatever_its_axes(name, kw, shape, axis):
     assert not ours.has_observed
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("name", "kw"), AXIS_CLASSES)
 @pytest.mark.parametrize(("axis", "shape"), [(-2, (16, 8)), (-1, (16,)), (-1, (4, 16))])
 def test_negative_axes_inside_the_batch_are_quarks(name, kw, axis, shape):
@@ -64,6 +66,7 @@ def test_negative_axes_inside_the_batch_are_quarks(name, kw, axis, shape):
         assert a.shape == b.shape and torch.equal(a, b.to(a.dtype)), (a, b)
 
 
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("dtype", "symmetric", "codes"),
                          [("uint8", False, (0, 127)), ("int8", True, (-64, 63))])
 def test_pro_reduce_range_halves_the_codes_of_its_native_qparams(dtype, symmetric, codes):
@@ -81,6 +84,7 @@ def test_pro_reduce_range_halves_the_codes_of_its_native_qparams(dtype, symmetri
     assert torch.equal(qp.scale.reshape(-1), scale.reshape(-1).float())
     assert torch.equal(qp.zero_point.reshape(-1).long(), zp.reshape(-1).long())
 
+@pytest.mark.xdist_group("quark")
 
 def test_pro_counts_the_tokens_of_a_batch_with_inf_as_of_any_batch():
     """torch.ao drops the inf; the batch still counts its rows once (not one more)."""
@@ -94,6 +98,7 @@ def test_pro_counts_the_tokens_of_a_batch_with_inf_as_of_any_batch():
     finite(torch.randn(4, 8))
     assert int(with_inf.observed_tokens) == int(finite.observed_tokens) == 4
 
+@pytest.mark.xdist_group("quark")
 
 def test_pro_loads_from_its_old_module():
     """Pro moved from compat.quark_histogram to compat.quark_pro (s57): the old import path

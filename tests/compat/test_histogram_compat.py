@@ -177,6 +177,7 @@ def test_registry_names_of_the_compat_classes():
 
 # ------------------------------------------- the real peers (the peers' venv only)
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver",
                                   "PerTensorHistogramObserverPro"])
 @pytest.mark.parametrize("symmetric", [True, False])

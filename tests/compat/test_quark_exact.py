@@ -262,6 +262,7 @@ def same(a, b):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False),
                                               ("uint4", False), ("int4", True)])
 def test_calculate_int_quant_params_against_quark(dtype, symmetric):
@@ -280,6 +281,7 @@ def test_calculate_int_quant_params_against_quark(dtype, symmetric):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("first_level", [None, 6.0])
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -300,6 +302,7 @@ def test_fp8_per_tensor_against_quark(dtype, first_level, dynamic):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("scale_format, mode", [("e8m0", "even"), ("e8m0", "floor"),
                                                 ("e8m0", "ceil"), ("e4m3", None),
                                                 ("e5m3", None), ("float32", None)])
@@ -322,6 +325,7 @@ def test_mx_amax_and_scales_against_quark(scale_format, mode, dynamic, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_mx_float32_scale_with_first_level_and_channel_axis_against_quark():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     theirs, ours = twins("PerBlockMXObserver", dtype="fp8_e4m3", qscheme="per_group",
@@ -335,6 +339,7 @@ def test_mx_float32_scale_with_first_level_and_channel_axis_against_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_e5m3_rounding_against_quark_kernel():
     ref = pytest.importorskip("quark.torch.kernel.float8_e5m3.reference")
     g = torch.Generator().manual_seed(5)
@@ -344,6 +349,7 @@ def test_e5m3_rounding_against_quark_kernel():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("PerChannelMinMaxObserver", {"dtype": "fp4", "qscheme": "per_channel", "ch_axis": -1}),
     ("PerTensorMinMaxObserver", {"dtype": "int8", "symmetric": True}),
@@ -373,6 +379,7 @@ def test_reset_state_against_quark(name, kw):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_quark_config_and_fake_quantize_take_our_classes():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     from quark.torch.quantization.tensor_quantize import FakeQuantizeBase
@@ -387,6 +394,7 @@ def test_quark_config_and_fake_quantize_take_our_classes():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype", ["fp4", "fp8_e4m3", "fp6_e2m3"])
 @pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
 def test_get_scale_against_quark(dtype, mode):
@@ -402,6 +410,7 @@ def test_get_scale_against_quark(dtype, mode):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw, shape", [
     ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1,
                                   "symmetric": True}, (4, 6, 8)),
@@ -428,6 +437,7 @@ def test_minmax_families_against_quark(name, kw, shape, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, symmetric", [("uint8", False), ("int8", True), ("uint4", False)])
 def test_histogram_pro_qparams_as_quark_returns_them(dtype, symmetric):
     """Quark's Pro returns torch.ao's ``_calculate_qparams``: ``(1,)`` tensors, the zero
@@ -443,6 +453,7 @@ def test_histogram_pro_qparams_as_quark_returns_them(dtype, symmetric):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("PerTensorMinMaxObserver", {}),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),
@@ -469,6 +480,7 @@ def test_qparams_before_data_as_quark(name, kw, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("mode", ["even", "floor", "ceil"])
 @pytest.mark.parametrize("dtype", ["fp4", "fp8_e4m3"])
 def test_mx_qparams_before_data_as_quark(mode, dtype):
@@ -487,6 +499,7 @@ def test_mx_qparams_before_data_as_quark(mode, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, extra", [
     ("int8", {"symmetric": True}), ("fp8_e4m3", {}),
     ("fp8_e4m3", {"scale_format": "e8m0", "scale_calculation_mode": "even"}),
@@ -507,6 +520,7 @@ def test_per_group_refuses_a_group_size_that_does_not_divide_the_axis(dtype, ext
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("fmt", ["e8m0", "e4m3", "e5m3"])
 @pytest.mark.parametrize("name, kw", [
     ("PerTensorMinMaxObserver", {}),
@@ -538,6 +552,7 @@ INT_CLASSES = [
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", INT_CLASSES)
 @pytest.mark.parametrize("dtype", ["uint8", "uint4"])
 def test_unsigned_symmetric_zero_point_is_zero_as_quark(name, kw, dtype):
@@ -558,6 +573,7 @@ def test_unsigned_symmetric_zero_point_is_zero_as_quark(name, kw, dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", INT_CLASSES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_scale_dtype_as_quark(name, kw, dtype):
@@ -591,6 +607,7 @@ STATE_CLASSES = [
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", STATE_CLASSES)
 def test_state_dict_has_quarks_keys_and_loads_strictly_both_ways(name, kw):
     """Quark registers its statistics non-persistent: its state_dict is empty, so ours is,
@@ -611,6 +628,7 @@ def test_state_dict_has_quarks_keys_and_loads_strictly_both_ways(name, kw):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_fake_quantize_holding_ours_saves_quarks_keys():
     """Quark's StaticScaledFakeQuantize with our observer saves what it saves with Quark's
     (scale, zero_point), and either state loads strictly into the other."""
@@ -642,6 +660,7 @@ CAST_CLASSES = [
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", CAST_CLASSES)
 @pytest.mark.parametrize("cast", ["half", "double", "bfloat16"])
 @pytest.mark.parametrize("then", [None, torch.float32, torch.float16])
@@ -674,6 +693,7 @@ def test_module_cast_converts_eps_range_and_scales_as_quark(name, kw, cast, then
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", CAST_CLASSES[:3])
 @pytest.mark.parametrize("cast", [lambda o: o.float(), lambda o: o.to(torch.float32)],
                          ids=["float", "to"])
@@ -694,6 +714,7 @@ def test_float_cast_after_a_half_batch_converts_the_range_as_quark(name, kw, cas
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("int8", False)])
 def test_histogram_edges_are_quarks_linspace(name, dtype, symmetric):
@@ -712,6 +733,7 @@ def test_histogram_edges_are_quarks_linspace(name, dtype, symmetric):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_per_group_state_and_range_qparams_shapes_as_quark():
     """Quark's per-group ``min_val`` / ``max_val`` are flat; a given range's qparams come back
     ``(-1, groups)``."""
@@ -729,6 +751,7 @@ def test_per_group_state_and_range_qparams_shapes_as_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_bfp_amax_and_int32_zero_point_as_quark():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     theirs, ours = twins("PerBlockBFPObserver", dtype="bfp16", qscheme="per_group", ch_axis=-1,
@@ -747,6 +770,7 @@ def test_bfp_amax_and_int32_zero_point_as_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("steps", [127.4, 127.5, 127.58, 127.9])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_bfp_overflow_only_at_a_positive_code_of_128_as_quark(steps, sign):
@@ -766,6 +790,7 @@ def test_bfp_overflow_only_at_a_positive_code_of_128_as_quark(steps, sign):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False), ("fp8_e4m3", True)])
 def test_percentile_on_all_zero_data_as_quark(dtype, symmetric):
     """Quark's zero-mass histogram gives the range ``zeros(1)``: qparams of shape ``(1,)``."""
@@ -783,6 +808,7 @@ def test_percentile_on_all_zero_data_as_quark(dtype, symmetric):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("kw", [{"dtype": "mx", "mx_element_dtype": "int8"},
                                 {"dtype": "int8", "scale_format": "e8m0", "symmetric": True},
                                 {"dtype": "mx", "mx_element_dtype": "fp8_e4m3"}],
@@ -808,6 +834,7 @@ def test_per_block_mx_observer_refuses_what_quark_refuses(kw):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_mxint8_even_rounds_6_fraction_bits_where_quark_rounds_8():
     """The documented difference: on int8 elements Quark's even_round keeps 8 fraction bits
     (get_dtype_params), quantscope's rule 6 (OCP MXINT8's 1.6); on float ones they agree."""
@@ -826,6 +853,7 @@ def test_mxint8_even_rounds_6_fraction_bits_where_quark_rounds_8():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("UniformScalingObserver", {"dtype": "int8", "symmetric": True}),
     ("UniformScalingObserver", {"dtype": "uint8", "symmetric": False}),
@@ -864,6 +892,7 @@ def test_eps_argument_as_quark_uses_or_drops_it(name, kw, positional):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_eps_argument_refused_where_quark_has_none():
     qo = pytest.importorskip("quark.torch.quantization.observer.observer")
 
@@ -903,6 +932,7 @@ def same_attribute(ours, theirs, name):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw, names", _ATTRIBUTE_CASES,
                          ids=[f"{c[0]}-{c[1]['dtype']}" for c in _ATTRIBUTE_CASES])
 def test_public_attributes_as_quarks_constructor_sets_them(name, kw, names):
@@ -928,6 +958,7 @@ def test_public_attributes_as_quarks_constructor_sets_them(name, kw, names):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_group_count_follows_the_last_tensor_and_survives_a_reset_as_quarks():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     theirs, ours = twins("PerGroupMinMaxObserver", dtype="int4", qscheme="per_group",
@@ -942,6 +973,7 @@ def test_group_count_follows_the_last_tensor_and_survives_a_reset_as_quarks():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("PerTensorMinMaxObserver", {"dtype": "int8", "symmetric": True}),
     ("PerChannelMinMaxObserver", {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0,
@@ -961,6 +993,7 @@ def test_extra_repr_as_quarks(name, kw):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_placeholder_extra_repr_as_quarks(dtype):
     qo = pytest.importorskip("quark.torch.quantization.observer.observer")
@@ -969,6 +1002,7 @@ def test_placeholder_extra_repr_as_quarks(dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("PerTensorMinMaxObserver", {"dtype": "fp4", "scale_format": "float32"}),
     ("PerGroupMinMaxObserver", {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1,
@@ -991,6 +1025,7 @@ def test_calculate_fp4_quant_parameters_as_quarks(name, kw):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False),
                                               ("fp8_e4m3", True), ("fp8_e5m2", True)])
 def test_mse_candidate_quantizers_as_quarks(dtype, symmetric):
@@ -1023,6 +1058,7 @@ def widening_batches(seed, factor):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("factor", "dtype", "symmetric", "name"),
                          each_value([1.001, 1.5, 3.0],
                                     [("int8", True), ("uint8", False), ("int8", False)],

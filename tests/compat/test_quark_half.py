@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quark_twins import qo
 
 from quantscope.compat import quark
 
-pytestmark = pytest.mark.peers
-qo = pytest.importorskip("quark.torch.quantization.observer.observer")
+pytestmark = [pytest.mark.peers, pytest.mark.xdist_group("quark")]
+pytest.importorskip("quark")  # quark_twins imports quark.torch when a test first uses it
 
 HALF = [torch.bfloat16, torch.float16]
 

@@ -14,14 +14,11 @@ import pytest
 import torch
 from tiers import each_value
 
-pytestmark = pytest.mark.peers
+pytestmark = [pytest.mark.peers, pytest.mark.xdist_group("quark")]
 
-pytest.importorskip("quark.torch.quantization.observer.observer")
-with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import quark.torch.quantization.observer.observer as qo
+pytest.importorskip("quark")  # quark_twins imports quark.torch when a test first uses it
 
-from quark_twins import quark_config
+from quark_twins import qo, quark_config
 
 from quantscope.compat import quark
 

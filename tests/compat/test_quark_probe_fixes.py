@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import warnings
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.peers
+pytestmark = [pytest.mark.peers, pytest.mark.xdist_group("quark")]
 
-pytest.importorskip("quark.torch.quantization.observer.observer")
-with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import quark.torch.quantization.observer.observer as qo
-    from quark.torch.quantization.config.type import (
-        ZeroPointType,
-    )
+pytest.importorskip("quark")  # quark_twins imports quark.torch when a test first uses it
 
-from quark_twins import quark_config, quark_twins
+from quark_twins import qo, qtypes, quark_config, quark_twins
 
 from quantscope.compat import quark
 
@@ -164,7 +157,8 @@ def test_num_observed_tokens_as_quark(x):
     ("PerTensorPercentileObserver", {}),
 ])
 def test_zero_point_type_float32_raises(name, kw):
-    c = quark_config(name, dtype="uint4", symmetric=False, zero_point_type=ZeroPointType.float32, **kw)
+    c = quark_config(name, dtype="uint4", symmetric=False,
+                     zero_point_type=qtypes.ZeroPointType.float32, **kw)
     with pytest.raises(ValueError, match="zero_point_type"):
         getattr(quark, name)(c)
 
@@ -172,8 +166,8 @@ def test_zero_point_type_float32_raises(name, kw):
 def test_zero_point_type_float32_accepted_where_quark_ignores_it():
     # symmetric ranges and torch.ao's Pro never read it in Quark
     c = quark_config("PerTensorMinMaxObserver", dtype="int8", symmetric=True,
-             zero_point_type=ZeroPointType.float32)
+             zero_point_type=qtypes.ZeroPointType.float32)
     quark.PerTensorMinMaxObserver(c)
     c = quark_config("PerTensorHistogramObserverPro", dtype="uint8", symmetric=False,
-             zero_point_type=ZeroPointType.float32)
+             zero_point_type=qtypes.ZeroPointType.float32)
     quark.PerTensorHistogramObserverPro(c)

@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import warnings
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.peers
+pytestmark = [pytest.mark.peers, pytest.mark.xdist_group("quark")]
 
-pytest.importorskip("quark.torch.quantization.observer.observer")
-with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import quark.torch.quantization.observer.observer as qo
-    from quark.torch.quantization.config.config import QTensorConfig
-    from quark.torch.quantization.config.type import Dtype, QSchemeType
+pytest.importorskip("quark")  # quark_twins imports quark.torch when a test first uses it
 
-from quark_twins import quark_config, quark_twins
+from quark_twins import qconfig, qo, qtypes, quark_config, quark_twins
 
 from quantscope.compat import quark
 from quantscope.layout import Block
@@ -58,8 +52,8 @@ _X = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
 @pytest.mark.parametrize("name", ["PerTensorMinMaxObserver", "PerChannelMinMaxObserver"])
 def test_cast_dtype_on_a_min_max_class_raises_when_built(name, dtype):
     with pytest.raises(ValueError, match="PlaceholderObserver"):
-        QTensorConfig(dtype=Dtype(dtype), qscheme=QSchemeType.per_tensor,
-                      observer_cls=getattr(qo, name))
+        qconfig.QTensorConfig(dtype=qtypes.Dtype(dtype), qscheme=qtypes.QSchemeType.per_tensor,
+                              observer_cls=getattr(qo, name))
     with pytest.raises(ValueError, match=rf"{name}.*'{dtype}'.*PlaceholderObserver"):
         getattr(quark, name)({"dtype": dtype, "qscheme": "per_tensor", "ch_axis": 0})
     assert quark.PlaceholderObserver({"dtype": dtype})._calculate_qparams() is None
@@ -152,7 +146,7 @@ class _QSpec:
                               "scale_calculation_mode": None, "mx_element_dtype": None,
                               "zero_point_type": None, "group_size": None, "is_dynamic": False,
                               "symmetric": True, **kw})
-        self.dtype, self.qscheme = Dtype(self.dtype), QSchemeType(self.qscheme)
+        self.dtype, self.qscheme = qtypes.Dtype(self.dtype), qtypes.QSchemeType(self.qscheme)
 
 
 # 5. NVFP4 (e4m3): an all-zero tensor (Quark: NaN) and a zero block's +0.0

@@ -190,6 +190,7 @@ def _both(theirs, ours, batches):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, symmetric", _PRO)
 def test_pro_widening_as_quark(dtype, symmetric):
     pytest.importorskip("quark.torch.quantization.observer.observer")
@@ -202,6 +203,7 @@ def test_pro_widening_as_quark(dtype, symmetric):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_bfp_layout_change_raises_as_quark():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     from quark_twins import quark_twins
@@ -214,6 +216,7 @@ def test_bfp_layout_change_raises_as_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_refused_batch_dtype_as_quark():
     pytest.importorskip("quark.torch.quantization.observer.observer")
     from quark_twins import quark_twins
@@ -230,6 +233,7 @@ def test_refused_batch_dtype_as_quark():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", [*_HIST, "PerTensorMinMaxObserver"])
 @pytest.mark.parametrize("dtype", ["fp4", "fp6_e2m3"])
 @pytest.mark.parametrize("fmt, mode", [("e8m0", "even"), ("e8m0", "floor"), ("e8m0", "ceil"),
@@ -258,6 +262,7 @@ def test_fp4_fp6_block_scale_formats_per_tensor_as_quark(name, dtype, fmt, mode)
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype, fmt", [("int8", "e4m3"), ("int4", "e4m3"), ("uint8", "e8m0"),
                                         ("uint8", "e4m3")])
 def test_mx_integer_elements_assert_as_quark(dtype, fmt):
@@ -271,6 +276,7 @@ def test_mx_integer_elements_assert_as_quark(dtype, fmt):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name, kw", [
     ("PerTensorMinMaxObserver", {}),
     ("PerChannelMinMaxObserver", {"qscheme": "per_channel", "ch_axis": 0}),

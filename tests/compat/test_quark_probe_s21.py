@@ -133,6 +133,7 @@ def test_pro_non_finite_ignore_still_reads_zero():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_pro_non_finite_as_quark(symmetric):
     pytest.importorskip("quark.torch.quantization.observer.observer")

@@ -72,6 +72,7 @@ def _same(ours, theirs):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize(("name", "qspec"), CLASSES)
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("scale_type", ["float", "float16", "bfloat16", "float32"])

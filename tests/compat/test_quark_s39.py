@@ -32,6 +32,7 @@ def _equal(a, b):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("dtype", ["fp4", "fp8_e4m3", "int4", "int8", "bfp16"])
 def test_bfp_observer_is_bfp16_whatever_the_dtype(dtype):
     theirs, ours, c = _twins("PerBlockBFPObserver", dtype=dtype, qscheme="per_group",
@@ -43,6 +44,7 @@ def test_bfp_observer_is_bfp16_whatever_the_dtype(dtype):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("eps", [1e-3, 1e-5, 2.0 ** -9, 0.01])
 def test_mx_e4m3_scales_ignore_eps(eps):
     theirs, ours, c = _twins("PerBlockMXObserver", dtype="fp4", qscheme="per_group",
@@ -55,6 +57,7 @@ def test_mx_e4m3_scales_ignore_eps(eps):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name,kw,shapes", [
     ("PerBlockMXObserver", {"dtype": "fp4", "scale_format": "e8m0", "group_size": 8,
                             "ch_axis": 0}, [(64, 4), (64, 2, 2)]),

@@ -79,6 +79,7 @@ def test_static_per_channel_keeps_its_token_count_when_it_starts_over():
 
 # ------------------------------------------------------- against the installed Quark
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("scale_format", ["float32", "e8m0", "e5m3"])
 @pytest.mark.parametrize("shape, axis", [((4, 40), -1), ((3, 50, 2), 1), ((8, 7), -1)])
 def test_mx_pads_the_last_block_as_quark(scale_format, shape, axis):
@@ -91,6 +92,7 @@ def test_mx_pads_the_last_block_as_quark(scale_format, shape, axis):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("shapes", [[(2, 16), (4, 16)], [(4, 16), (4, 8), (2, 16)],
                                     [(4, 16), (4, 16), (3, 16)]])
 @pytest.mark.parametrize("dtype, symmetric", [("int8", True), ("uint8", False),
@@ -108,6 +110,7 @@ def test_static_per_channel_starts_over_when_the_channels_change_as_quark(shapes
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("shapes", [[(2, 32), (4, 32)], [(2, 64), (4, 32)],
                                     [(4, 32), (4, 32), (2, 40)], [(2, 3, 32), (6, 32)]])
 @pytest.mark.parametrize("scale_format, mode", [("e8m0", "even"), ("e8m0", "floor"),
@@ -124,6 +127,7 @@ def test_static_mx_starts_over_when_its_blocks_change_as_quark(shapes, scale_for
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("axis", [1, -1])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_bfp_zero_block_scale_is_eps_as_quark(axis, dynamic):
@@ -140,6 +144,7 @@ def test_bfp_zero_block_scale_is_eps_as_quark(axis, dynamic):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", HISTOGRAMS)
 @pytest.mark.parametrize("dtype, symmetric", [("uint8", False), ("int8", True)])
 @pytest.mark.parametrize("value", [1.0, -3.0, 0.25, 0.0, 1e6])
@@ -159,6 +164,7 @@ def test_constant_batches_bin_as_quark(name, dtype, symmetric, value):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorPercentileObserver", "PerTensorMSEObserver"])
 @pytest.mark.parametrize("dtype, symmetric", [("uint8", False), ("int8", True)])
 @pytest.mark.parametrize("data", ["randn", "zeros"])
@@ -183,6 +189,7 @@ def test_histogram_min_val_max_val_as_quark(name, dtype, symmetric, data):
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 @pytest.mark.parametrize("name", ["PerTensorHistogramObserver", "PerTensorHistogramObserverPro"])
 def test_recorder_and_pro_min_val_max_val_as_quark(name):
     pytest.importorskip("quark.torch.quantization.observer.observer")

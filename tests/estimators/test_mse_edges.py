@@ -266,6 +266,7 @@ def test_mse_search_incumbent_must_be_bool():
 
 
 @pytest.mark.peers
+@pytest.mark.xdist_group("quark")
 def test_pow2_mse_matches_quark_observer():
     pytest.importorskip("quark")
     from quark.torch.quantization.config.config import QTensorConfig
