@@ -312,7 +312,7 @@ def smooth(model: nn.Module, batches, alpha: float = 0.5, *, distributed: bool =
         _write(modules, new)
         done.append(m.previous)
         scales[m.previous] = s.cpu()
-    if mappings and not ranges:  # no batch ran (on any rank): said, as no pair is
+    if mappings and not ranges:  # no rank ran a batch: said, as a model with no pair is
         warnings.warn("smooth: no layer it smooths saw a batch (is batches empty?); "
                       "nothing was smoothed", stacklevel=outside_quantscope())
     return {"alpha": float(alpha), "smoothed": done, "skipped": list(why), "why": why,
