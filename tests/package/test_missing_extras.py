@@ -54,6 +54,22 @@ def test_the_integrations_name_their_peer(without, monkeypatch, module, hidden, 
         importlib.import_module(module)
 
 
+@pytest.mark.parametrize("module, hidden", [
+    ("quantscope.integrations.torchao", "torchao.quantization.pt2e"),
+    ("quantscope.integrations.llmcompressor", "llmcompressor.observers"),
+])
+def test_the_integrations_missing_peer_error_keeps_the_module_name(without, monkeypatch, module,
+                                                                  hidden):
+    """The integrations re-raise the ``ModuleNotFoundError`` with a message saying what to
+    install; its ``name`` (the missing module, which tools such as optional-import guards
+    read) must survive: the peer's module, or the package above it where that is missing."""
+    without(hidden)
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ModuleNotFoundError) as e:
+        importlib.import_module(module)
+    assert e.value.name and hidden.startswith(e.value.name), e.value.name
+
+
 def _calibrated_mlp():
     import torch
 
