@@ -94,6 +94,20 @@ def test_a_constant_first_batch_then_a_wider_one(first):
     _assert_same_qparams(ref, ours)
 
 
+
+def test_a_constant_first_batch_whose_value_histc_and_the_edges_bin_apart():
+    """A one-value histogram (min == max) moves its total to the bin ``torch.histc`` puts that
+    value in on the wider range (torch.ao bins its ``min_val``), never by the re-binning of
+    a range (``linspace`` edges and ``bucketize``): at 1.0974154 of 20 bins over [0.6217065,
+    3.7930999] histc's ``trunc((x - lo) * bins / (hi - lo))`` gives bin 2, the edges bin 3."""
+    ref, ours = TorchHistogramObserver(bins=20), HistogramObserver(bins=20)
+    for x in (torch.full((10,), 1.0974154472351074),
+              torch.tensor([0.621706485748291, 3.793099880218506])):
+        ref(x)
+        ours(x)
+        _assert_same_state(ref, ours)
+    assert ours.histogram[2] == 10 and ours.histogram[3] == 0  # (the second batch: 0, 19)
+
 def test_values_on_the_edges_and_a_non_contiguous_batch():
     ref, ours = TorchHistogramObserver(bins=50), HistogramObserver(bins=50)
     x = torch.linspace(-1, 1, 1001)  # many values on bin edges

@@ -214,6 +214,23 @@ def _scenarios(r, w, group=None):
                     "got": {**obs.state(), "tokens": obs.observed_tokens},
                     "ref": {**ref.state(), "tokens": ref.observed_tokens}}
 
+    # an |x| and a signed histogram of one bin count in ONE sync (one batch of the grid
+    # all-reduce): each re-binned on its own kind of grid (|x| from zero, x from its lo's bin)
+    batches = _batches(w + 2, seed=23)
+    spec = next(iter(_specs().values()))
+    both, refs = ([_HistObserver(spec, absolute=a) for a in (True, False)] for _ in range(2))
+    for x in qd.shard(batches, group):
+        for obs in both:
+            obs(x)
+    for x in batches:
+        for ref in refs:
+            ref(x)
+    qd.sync_observers(both, group)
+    for obs, ref in zip(both, refs):
+        out[f"hist_together/{obs.absolute}"] = {
+            "got": {**obs.state(), "tokens": obs.observed_tokens},
+            "ref": {**ref.state(), "tokens": ref.observed_tokens}}
+
     # the seeds' flags: Horizon is_sync_quantize (each rank's own EMA, MIN / MAX of the
     # averaged ends at read time) and llm-compressor's sync_activation_stats (static MIN /
     # MAX, minmax AVG)

@@ -22,3 +22,14 @@ def test_fused_update_misses_on_ends_of_another_shape(shape):
     assert hist_kernel.fused_update(st, units, False, ends=ends) is None
     assert bool((ends == 7.0).all()) and ends._version == v
     assert hist_kernel.fused_update(st, units, False, ends=torch.empty(2)) is not None  # (2,)
+
+
+def test_fused_update_misses_on_a_batch_of_several_units():
+    """The fused pass reads one unit (``units [1, E]``): a ``[2, E]`` batch with a one-unit
+    state is no call it makes (None, nothing written), not a pass over its first row."""
+    st = H._update_grid(H.empty_state(1, 64), torch.tensor([-3.0]), torch.tensor([5.0]), False)
+    units = torch.tensor([[1.0, 5.0, -3.0] * 100, [9.0, -9.0, 0.5] * 100])
+    ends = torch.full((2,), 7.0)
+    assert hist_kernel.fused_update(st, units, False, ends=ends) is None
+    assert ends.tolist() == [7.0, 7.0]
+    assert hist_kernel.fused_update(st, units[:1], False, ends=ends) is not None

@@ -68,3 +68,27 @@ def test_out_for_pairs_that_do_not_both_fit_are_left_alone(pair):
     out = PAIRS[pair](U)
     lo, hi = minmax_layouts.layout_minmax(w.t(), layout, lambda n: out)
     assert torch.equal(lo, units.amin(1)) and torch.equal(hi, units.amax(1))
+
+
+def test_tiles_of_a_ragged_last_dim_keep_the_edge_tiles():
+    """``tile:128x128`` of a 256 x 300 weight (the kernel's band path: 300 is no multiple of
+    128): three tile columns per band, the last 44 wide, its range its real values' (the
+    padding zeros are no data), in ``to_units`` order (tile rows, then tile columns)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(256, 300, generator=g) + 1.0  # all above zero: padding would show
+    lo, hi = minmax_layouts.layout_minmax(x, quantscope.Tile(128, 128))
+    tiles = [x[r:r + 128, c:c + 128] for r in (0, 128) for c in (0, 128, 256)]
+    assert torch.equal(lo, torch.stack([t.min() for t in tiles]))
+    assert torch.equal(hi, torch.stack([t.max() for t in tiles]))
+
+
+def test_non_square_tiles_of_a_transposed_weight_read_in_place():
+    """``x = w.t()`` read from ``w``'s memory: ``x``'s 64 x 128 tiles are ``w``'s 128 x 64
+    ones (rows and columns swapped with the axes), their grid transposed back into ``x``'s
+    tile order: each unit's range is that of ``x[r:r + 64, c:c + 128]``."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(256, 384, generator=g).t()  # [384, 256], not contiguous
+    lo, hi = minmax_layouts.layout_minmax(x, quantscope.Tile(64, 128))
+    tiles = [x[r:r + 64, c:c + 128] for r in range(0, 384, 64) for c in (0, 128)]
+    assert torch.equal(lo, torch.stack([t.min() for t in tiles]))
+    assert torch.equal(hi, torch.stack([t.max() for t in tiles]))
