@@ -94,7 +94,6 @@ def test_a_constant_first_batch_then_a_wider_one(first):
     _assert_same_qparams(ref, ours)
 
 
-
 def test_a_constant_first_batch_whose_value_histc_and_the_edges_bin_apart():
     """A one-value histogram (min == max) moves its total to the bin ``torch.histc`` puts that
     value in on the wider range (torch.ao bins its ``min_val``), never by the re-binning of
@@ -107,6 +106,7 @@ def test_a_constant_first_batch_whose_value_histc_and_the_edges_bin_apart():
         ours(x)
         _assert_same_state(ref, ours)
     assert ours.histogram[2] == 10 and ours.histogram[3] == 0  # (the second batch: 0, 19)
+
 
 def test_values_on_the_edges_and_a_non_contiguous_batch():
     ref, ours = TorchHistogramObserver(bins=50), HistogramObserver(bins=50)

@@ -84,8 +84,8 @@ def test_pro_reduce_range_halves_the_codes_of_its_native_qparams(dtype, symmetri
     assert torch.equal(qp.scale.reshape(-1), scale.reshape(-1).float())
     assert torch.equal(qp.zero_point.reshape(-1).long(), zp.reshape(-1).long())
 
-@pytest.mark.xdist_group("quark")
 
+@pytest.mark.xdist_group("quark")
 def test_pro_counts_the_tokens_of_a_batch_with_inf_as_of_any_batch():
     """torch.ao drops the inf; the batch still counts its rows once (not one more)."""
     c = quark_config("PerTensorHistogramObserverPro", dtype="int8", symmetric=True)
@@ -98,8 +98,8 @@ def test_pro_counts_the_tokens_of_a_batch_with_inf_as_of_any_batch():
     finite(torch.randn(4, 8))
     assert int(with_inf.observed_tokens) == int(finite.observed_tokens) == 4
 
-@pytest.mark.xdist_group("quark")
 
+@pytest.mark.xdist_group("quark")
 def test_pro_loads_from_its_old_module():
     """Pro moved from compat.quark_histogram to compat.quark_pro (s57): the old import path
     and a pickle that names it still load."""

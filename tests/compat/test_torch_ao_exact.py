@@ -236,7 +236,6 @@ def test_non_finite_as_torch():
     same_qparams(ref, ours)
 
 
-
 def test_minus_inf_is_dropped_as_torch():
     """torch.ao drops both infinities (``x.abs() != inf``), ``-inf`` too: the batch's other
     values are binned, and its min is theirs (-7), not -inf."""
@@ -249,6 +248,7 @@ def test_minus_inf_is_dropped_as_torch():
     same(ref.histogram, ours.histogram)
     assert float(ref.min_val) == float(ours.min_val) == -7.0
     same_qparams(ref, ours)
+
 
 def test_reset_restores_the_new_state_in_place():
     for kind in CLASSES:
