@@ -8,7 +8,7 @@ was saved and exported on rank 0 only: rank 1's ``save`` returned the path, writ
 Now it is written by the rank that made it; one made across the group, or read from disk,
 is written by one rank, and the others log that they wrote nothing.
 
-One spawn of 2 gloo processes; each rank calibrates the one-process reference too."""
+One spawn of 2 gloo processes; rank 0 calibrates the one-process reference too."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def _weights(cal) -> dict:
 
 def _fused(r, out):
     for case, (recipe, kw) in FUSED.items():
-        for distributed in (True, False):
+        # the one-process reference on rank 0 only: the other rank would compute the same
+        for distributed in (True, False) if r == 0 else (True,):
             model, batches = tiny_models.llama()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the tiny model's unused-token warnings
@@ -152,7 +153,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("case", sorted(FUSED))
 def test_fused_imatrix_weights_hold_one_process_qparams_on_every_rank(ranks, case):
-    one = rank_results(ranks, f"fused/{case}/False")[0]
+    one = rank_results(ranks[:1], f"fused/{case}/False")[0]
     assert any("q_proj" in layer for layer in one)  # the fused layers are there
     for r, got in enumerate(rank_results(ranks, f"fused/{case}/True")):
         assert got.keys() == one.keys()
