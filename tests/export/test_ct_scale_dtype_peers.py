@@ -17,7 +17,10 @@ from quantscope.exporters.compressed_tensors import _ct_scale_dtype
 
 #: the weights of the schemes we export: int (channel, group), fp8, NVFP4, MXFP4
 SCHEMES = ["W8A8", "W4A16", "W4A16_ASYM", "FP8", "NVFP4", "MXFP4"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+#: the float dtypes keep their own; a non-float one (an attention whose first parameter is
+#: int8 or float8) gets compressed-tensors' float16, not another float
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+          torch.float8_e4m3fn]
 
 
 def _theirs(scheme: str, dtype: torch.dtype) -> torch.dtype:
