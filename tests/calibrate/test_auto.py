@@ -1075,3 +1075,23 @@ def test_imatrix_rows_keep_the_weights_the_search_left():
     assert sorted(rows) == ["conv", "fc"] and rows["fc"]["observer"] == "imatrix"
     assert rows["conv"] == next(r for r in base.stats
                                 if r["layer"] == "conv" and r["role"] == "weight")
+
+
+@pytest.mark.parametrize("candidates", [("minmax", "mse"), ("mse", "minmax")])
+def test_auto_keeps_the_first_listed_candidate_on_a_tie(candidates):
+    """``auto`` keeps the candidate of least error, the first listed where errors tie (a
+    later one must do strictly better): fp8 per-channel weights whose rows reach 448 and
+    hold values e4m3 represents are exact under min-max's scale 448 / 448 = 1 and under the
+    MSE search's (which tries that range too), so both price 0 and the first candidate's
+    weight observer is kept."""
+    model = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        row = torch.tensor([448.0, -448.0, 16.0, -6.0, 3.0, 0.5, -0.25, 0.0])
+        model.weight.copy_(torch.stack([row.roll(i) for i in range(4)]))
+    recipe = quantscope.calibration.Recipe((quantscope.calibration.Rule(
+        ("Linear",), weight=quantscope.calibration.Role(presets.FP8_PER_CHANNEL, "auto")),))
+    calib = calibrate(nn.Sequential(model), [torch.randn(4, 8)], recipe, progress=False,
+                      auto=quantscope.calibration.Auto(metric="tensor", candidates=candidates))
+    state = calib.states["0"]["weight"]
+    assert torch.equal(fake_quantize(model.weight, state.qparams, state.spec), model.weight)
+    assert state.observer == f"memoryless_{candidates[0]}"

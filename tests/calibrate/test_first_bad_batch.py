@@ -227,3 +227,25 @@ def test_first_of_the_ranks_answers_is_one_process_answer():
     assert first_of(answers) == (0, 2)
     assert first_of([[NONE, NONE], [2, 1]]) == (2, 1)
     assert first_of([exchanged(None)] * 2) is None
+
+
+def test_first_of_prefers_the_least_row_to_an_earlier_batch_of_a_later_row():
+    """One process names the first watched row (the layers' order) that saw NaN / inf, at
+    that row's first bad batch, not the first bad batch of any row: a rank whose answer is
+    an earlier batch of a later row loses to another rank's earlier row."""
+    one = _watched(3)
+    whole = FirstBad(one)
+    for rows in ([], [2], [0], []):  # batches 0 .. 3: batch 1 reaches row 2 only, 2 row 0
+        for i in rows:
+            one[i][3].seen_non_finite = torch.ones((), dtype=torch.bool)
+        whole.end_batch()
+    assert whole.first() == (0, 2)
+    watched = [_watched(3) for _ in range(2)]  # rank r forwards batches 2 k + r
+    ranks = [FirstBad(w, lambda k, rank=rank: 2 * k + rank) for rank, w in enumerate(watched)]
+    for rank, rows in ((0, []), (1, [2]), (0, [0]), (1, [])):
+        for i in rows:
+            watched[rank][i][3].seen_non_finite = torch.ones((), dtype=torch.bool)
+        ranks[rank].end_batch()
+    answers = [exchanged(r.first()) for r in ranks]
+    assert answers == [[0, 2], [2, 1]]
+    assert first_of(answers) == first_of(answers[::-1]) == whole.first()

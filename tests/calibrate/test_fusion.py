@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantscope import QuantSpec, fake_quantize, presets, qparams_from_range
-from quantscope.calibration import Recipe, Role, Rule, calibrate, calibrate_many, preset
+from quantscope.calibration import Auto, Recipe, Role, Rule, calibrate, calibrate_many, preset
 from quantscope.layout import Tensor
 from quantscope.observers.registry import get_observer
 
@@ -285,3 +285,36 @@ def test_a_class_target_covers_its_subclasses():
     model = torch.nn.Sequential(MyLinear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     assert set(preset("w8a8").match(model)) == {"0", "2"}
     assert set(preset("w8a8", targets="MyLinear").match(model)) == {"0"}
+
+
+class _Pair(torch.nn.Module):
+    """Two Linears reading one input: a fusion group (found from the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 4, bias=False)
+        self.b = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("candidates", [("minmax", "mse"), ("mse", "minmax")])
+def test_a_groups_joined_weights_keep_the_first_listed_candidate_on_a_tie(candidates):
+    """A group sharing one per-tensor fp8 weight scale gets it from the candidate of least
+    error on the joined weights, the first listed where errors tie (a later one must do
+    strictly better): weights reaching 448 and holding values e4m3 represents are exact
+    under min-max's scale 1 and under the MSE search's (which tries that range too)."""
+    model = torch.nn.Sequential(_Pair())
+    with torch.no_grad():
+        model[0].a.weight.copy_(torch.tensor([1.0, 2, 4, 8, 16, -1, -2, 0.5]).repeat(4, 1))
+        model[0].b.weight.copy_(torch.tensor([448.0, -448, 3, -6, 12, 0.25, 0, 1]).repeat(4, 1))
+    recipe = Recipe((Rule(("Linear",), weight=Role(presets.FP8_PER_TENSOR, "auto")),))
+    calib = calibrate(model, [torch.randn(4, 8)], recipe, progress=False,
+                      auto=Auto(metric="tensor", candidates=candidates))
+    assert [g["layers"] for g in calib.info["fusion_groups"]] == [["0.a", "0.b"]]
+    for name, layer in (("0.a", model[0].a), ("0.b", model[0].b)):
+        state = calib.states[name]["weight"]
+        assert float(state.qparams.scale) == 1.0  # 448 / 448: no error
+        assert torch.equal(fake_quantize(layer.weight, state.qparams, state.spec), layer.weight)
+        assert state.observer == f"memoryless_{candidates[0]}"

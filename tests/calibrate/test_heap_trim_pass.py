@@ -51,3 +51,34 @@ def test_runs_on_host():
     mixed = _model("meta")
     mixed.register_buffer("steps", torch.zeros(()))  # one tensor on the CPU: its heap
     assert heap.runs_on_host(mixed)
+
+
+class _Libc:
+    """A glibc stand-in that records the ``mallopt`` / ``malloc_trim`` calls heap makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append(("mallopt", param, value))
+        return 1  # glibc's success
+
+    def malloc_trim(self, pad):
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+def test_prepare_fixes_glibcs_mmap_threshold_at_one_mib(monkeypatch):
+    """docs/memory.md "The C heap": prepare is what MALLOC_MMAP_THRESHOLD_=1048576 does,
+    ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` (M_MMAP_THRESHOLD is -3 in glibc's <malloc.h>; -1,
+    M_TRIM_THRESHOLD, would leave the threshold where glibc's dynamic rule raised it), once a
+    process; trim is ``malloc_trim(0)`` and changes no setting."""
+    libc = _Libc()
+    monkeypatch.delenv("QUANTSCOPE_HEAP", raising=False)
+    monkeypatch.setattr(heap, "_libc", libc)
+    monkeypatch.setattr(heap, "_looked", True)
+    monkeypatch.setattr(heap, "_prepared", False)
+    assert heap.prepare() is True and heap.prepare() is True
+    assert libc.calls == [("mallopt", -3, 1048576)]
+    assert heap.trim() is True
+    assert libc.calls[1:] == [("malloc_trim", 0)]

@@ -143,6 +143,21 @@ def test_find_blocks_skips_lists_inside_blocks():
     assert find_blocks(model)[0] == "layers"
 
 
+def test_find_blocks_takes_the_first_of_two_equal_lists():
+    """Two outer lists of as many blocks and parameters (twin towers, an encoder and a decoder
+    of one layer class): the most children, then the most parameters, leave a tie, which
+    goes to the list registered first (named_modules' order, as ``max`` keeps the first of
+    equal keys), whichever order the two lists' names sort in."""
+    from torch import nn
+
+    for first, second in (("encoder", "decoder"), ("decoder", "encoder")):
+        model = nn.Module()
+        setattr(model, first, nn.ModuleList(nn.Linear(8, 8) for _ in range(2)))
+        setattr(model, second, nn.ModuleList(nn.Linear(8, 8) for _ in range(2)))
+        name, blocks = find_blocks(model)
+        assert name == first and blocks is getattr(model, first)
+
+
 def test_errors(saved):
     model, path = saved
     with pytest.raises(ValueError, match=r"pass sequential=Sequential\(checkpoint="):

@@ -48,3 +48,19 @@ def test_an_empty_cache_in_a_batch_is_no_prefix():
     for layer, roles in whole.states.items():
         for role, st in roles.items():
             assert torch.equal(st.qparams.scale, seq.states[layer][role].qparams.scale)
+
+
+def test_a_one_token_prefix_is_a_prefix_too():
+    """A cache holding a single token is a prefix the new tokens attend to (a chat turn's
+    BOS, a one-token prompt), as an 8-token one is: refused before any block is replayed
+    without it. Only an empty cache changes nothing."""
+    model, _ = llama()
+    pre, new = torch.randint(0, 100, (1, 1)), torch.randint(0, 100, (1, 4))
+    with torch.inference_mode():
+        cache = model(pre, use_cache=True).past_key_values
+    assert cache.get_seq_length() == 1
+    batch = [{"input_ids": new, "past_key_values": cache,
+              "attention_mask": torch.ones(1, 5, dtype=torch.long)}]
+    with pytest.raises(ValueError, match=r"argument 'past_key_values' is a KV cache "
+                                         r"\(past_key_values\) already holding 1 tokens"):
+        calibrate(model, batch, _RECIPE, progress=False, sequential=True)
