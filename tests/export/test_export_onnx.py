@@ -85,6 +85,7 @@ def test_static_activations_equal_fake_quant_and_integer_kernels(bert, tmp_path,
         assert float_matmuls <= 2 * 2 + 1, counts  # attention's QK^T and PV, the pooler
 
 
+@pytest.mark.extended  # BERT end to end: make test runs the path on an MLP (w8a16 below)
 def test_weight_only_equal_fake_quant(bert, tmp_path):
     model, batches = bert
     w8a16 = Recipe(Rule(("Linear",), weight=Role(presets.INT8_PER_CHANNEL, "minmax")),
@@ -171,19 +172,28 @@ def test_every_quantized_linear_input_equals_fake_quant_codes(bert, bert_w8a8):
         np.testing.assert_array_equal(outs[f"{layer}.input_dq"], x.numpy(), err_msg=layer)
 
 
-def test_uint8_storage_equals_fake_quant_too(bert, bert_w8a8, tmp_path):
+# the MLP in make test, BERT end to end in the extended tier
+@pytest.mark.parametrize("model_name", ["mlp", pytest.param("bert", marks=pytest.mark.extended)])
+def test_uint8_storage_equals_fake_quant_too(tmp_path, request, model_name):
     """``uint8=True`` (codes and zero points + 128, ORT's u8u8 kernel in any session) runs the
     same values as the default int8 storage."""
-    model, batches = bert
-    calib, _ = bert_w8a8
     path = tmp_path / "u8.onnx"
-    export.export(calib, model, path, format="onnx", example_inputs=batches[0], uint8=True)
+    if model_name == "mlp":
+        model, batches = _mlp()
+        calib = calibrate(model, batches, preset("w8a8", "minmax"), progress=False)
+        test = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(7))
+        got, ref, counts = _run_mlp(model, calib, path, test, uint8=True)
+        assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == 2, counts
+    else:
+        (model, batches), (calib, _) = request.getfixturevalue("bert"), request.getfixturevalue(
+            "bert_w8a8")
+        export.export(calib, model, path, format="onnx", example_inputs=batches[0], uint8=True)
+        test = batches[2]
+        got = qonnx.session(path, threads=1).run(None, {k: v.numpy() for k, v in test.items()})[0]
+        with torch.no_grad(), calib.apply(model):
+            ref = model(**test).last_hidden_state.numpy()
     w = [t for t in onnx.load(str(path)).graph.initializer if t.name.endswith(".weight_q")]
     assert w and all(t.data_type == onnx.TensorProto.UINT8 for t in w)
-    test = batches[2]
-    got = qonnx.session(path, threads=1).run(None, {k: v.numpy() for k, v in test.items()})[0]
-    with torch.no_grad(), calib.apply(model):
-        ref = model(**test).last_hidden_state.numpy()
     assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
