@@ -8,7 +8,8 @@ was saved and exported on rank 0 only: rank 1's ``save`` returned the path, writ
 Now it is written by the rank that made it; one made across the group, or read from disk,
 is written by one rank, and the others log that they wrote nothing.
 
-One spawn of 2 gloo processes; rank 0 calibrates the one-process reference too."""
+Spawns of 2 gloo processes (auto's own, extended); rank 0 calibrates the one-process reference
+too."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def _weights(cal) -> dict:
             for layer, roles in cal.states.items() if "weight" in roles}
 
 
-def _fused(r, out):
-    for case, (recipe, kw) in FUSED.items():
+def _fused(r, out, cases):
+    for case in cases:
+        recipe, kw = FUSED[case]
         # the one-process reference on rank 0 only: the other rank would compute the same
         for distributed in (True, False) if r == 0 else (True,):
             model, batches = tiny_models.llama()
@@ -139,7 +141,11 @@ def _scenarios(r, out):
         dist.barrier()
         if r == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    _fused(r, out)
+    _fused(r, out, ("nvfp4", "fp8-tensor"))
+
+
+def _auto_scenario(r, out):
+    _fused(r, out, ("auto",))
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +153,20 @@ def ranks():
     return spawn_ranks(_scenarios, 2, TIMEOUT)
 
 
+@pytest.fixture(scope="module")
+def auto_ranks():
+    return spawn_ranks(_auto_scenario, 2, TIMEOUT)
+
+
 def _same(a, b) -> bool:
     return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
-@pytest.mark.parametrize("case", sorted(FUSED))
-def test_fused_imatrix_weights_hold_one_process_qparams_on_every_rank(ranks, case):
+# auto's scoring of its candidates' joined searches in a spawn of its own, extended
+@pytest.mark.parametrize("case", ["fp8-tensor", "nvfp4",
+                                  pytest.param("auto", marks=pytest.mark.extended)])
+def test_fused_imatrix_weights_hold_one_process_qparams_on_every_rank(request, case):
+    ranks = request.getfixturevalue("auto_ranks" if case == "auto" else "ranks")
     one = rank_results(ranks[:1], f"fused/{case}/False")[0]
     assert any("q_proj" in layer for layer in one)  # the fused layers are there
     for r, got in enumerate(rank_results(ranks, f"fused/{case}/True")):
