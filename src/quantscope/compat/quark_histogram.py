@@ -16,6 +16,7 @@ from ..observers.histogram import HistogramObserverBase
 from ..observers.registry import register
 from . import enum_name, field
 from .quark_base import _F32_EPS, QuarkObserver
+from .quark_mse import FP8_DTYPES, best_candidate
 from .quark_scales import _WIDE, _quark_edges, _QuarkGrid, _refuse_overflow
 
 __all__ = ["PerTensorHistogramObserver", "PerTensorMSEObserver", "PerTensorPercentileObserver"]
@@ -29,9 +30,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: the dtypes Quark's MSE search prices (its integer and fp8 fake-quantizers)
-_MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *_FP8_DTYPES}
+_MSE_DTYPES = {"int4", "uint4", "int8", "uint8", *FP8_DTYPES}
 
 
 def _nonzero_ends(units: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -376,21 +376,19 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
 
     def _mse_row(self, counts: torch.Tensor, edges: torch.Tensor, stride: int,
                  start_bin: int) -> torch.Tensor:
-        """One row's best centre, priced as Quark's loop: one candidate at a time, its
-        fake-quantizer and float32 ``mean`` over all bins (empty ones too: they place the
-        others in the sum's order). Many candidates tie within float32's rounding (the
-        clipped negative bins of an asymmetric grid weigh the same in all), so an exact
-        error picks another centre than Quark's rounded one."""
+        """One row's best centre, priced as Quark's loop prices it (one candidate at a time,
+        its fake-quantizer and float32 ``mean`` over all bins: empty ones too, they place the
+        others in the sum's order), here in chunks of candidates (:mod:`.quark_mse`). Many
+        candidates tie within float32's rounding (the clipped negative bins of an asymmetric
+        grid weigh the same in all), so an exact error picks another centre than Quark's
+        rounded one."""
         centers = (edges[1:] + edges[:-1]) / 2
         _refuse_overflow(self, [centers])  # float16 edges past 32752: Quark's scale is inf
         amax = centers[min(start_bin, max(0, centers.numel() - 1))::stride]
         if not self.spec.is_float:  # Quark's int pricing asserts 0 <= centre
             self._refuse_negative(amax)
-        zero = _quark_zero(centers)
-        mses = [((self.scaling_fp8(centers, a) if self.spec.is_float else
-                  self.int_fake_tensor_quant(centers, zero, a)) - centers).pow(2)
-                .mul(counts).mean() for a in amax]
-        return amax[torch.stack(mses).argmin()]  # on the device: no read per candidate
+        # Quark's loop's answer bit for bit, the candidates priced in chunks
+        return best_candidate(self, centers, counts, amax)
 
     def _refuse_negative(self, amax: torch.Tensor) -> None:
         if bool((amax < 0).any()):
@@ -410,7 +408,7 @@ class PerTensorMSEObserver(_QuarkHistogram, HistogramObserverBase):
 
     def scaling_fp8(self, X: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         """Quark's: ``X`` scaled to ``amax``, clamped to the fp8 range, cast through fp8."""
-        fp8 = _FP8_DTYPES.get(enum_name(self.dtype))
+        fp8 = FP8_DTYPES.get(enum_name(self.dtype))
         if fp8 is None:
             raise ValueError(f"Invalid dtype {self.dtype}. Supported fp8 formats: fp8_e4m3, "
                              f"fp8_e5m2.")
