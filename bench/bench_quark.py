@@ -34,6 +34,9 @@ CASES = {
                                           "group_size": 32, "scale_format": "e8m0",
                                           "is_dynamic": True}),
 }
+#: Quark's histogram MSE search (its ~3,000 candidates over the 8 x 64 batch's 5,027 bins):
+#: the qparams call only, one call per sample, 5 samples
+MSE_CASES = {"histogram MSE int8": ("PerTensorMSEObserver", {"dtype": "int8", "symmetric": True})}
 
 
 def _per_call(fn, n: int) -> float:
@@ -55,25 +58,36 @@ def measure(repeat: int = 15) -> None:
               ["observer", "shape", "call", "Quark", "quantscope", "ratio"])
     for case, (name, config) in CASES.items():
         for shape, n in SHAPES.items():
-            x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-            pair = quark_twins(name, **config)
-            for obs in pair:
-                obs(x)
-            a, b = (obs._calculate_qparams() for obs in pair)  # the same answer (tests)
-            assert all(torch.equal(u, v) for u, v in zip(a, b)), (case, shape)
-            for call in ("forward", "qparams"):
-                fns = [(lambda o=o, x=x: o(x)) if call == "forward" else o._calculate_qparams
-                       for o in pair]
-                for fn in fns:
-                    _per_call(fn, max(n // 10, 1))  # warm-up
-                times = ([], [])
-                for _ in range(repeat):
-                    for i, fn in enumerate(fns):
-                        times[i].append(_per_call(fn, n))
-                q, s = (1e6 * statistics.median(ts) for ts in times)
-                t.add(case, "x".join(map(str, shape)), call, f"{q:.1f}", f"{s:.1f}",
-                      f"{q / s:.2f}")
+            _rows(t, case, quark_twins(name, **config), shape, n, ("forward", "qparams"),
+                  repeat, batches=1)
+    for case, (name, config) in MSE_CASES.items():  # three batches: a grown grid
+        _rows(t, case, quark_twins(name, **config), (8, 64), 1, ("qparams",), 5, batches=3)
     t.print()
+
+
+def _rows(t, case: str, pair, shape, n: int, calls, repeat: int, batches: int) -> None:
+    """``t``'s rows of one case: the pair fed ``batches`` batches of ``shape`` (the same
+    answer: the tests), then each of ``calls`` timed ``n`` per sample (the forward on the
+    last batch), interleaved, medians."""
+    import torch
+
+    for seed in range(batches):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
+        for obs in pair:
+            obs(x)
+    a, b = (obs._calculate_qparams() for obs in pair)
+    assert all(torch.equal(u, v) for u, v in zip(a, b)), (case, shape)
+    for call in calls:
+        fns = [(lambda o=o, x=x: o(x)) if call == "forward" else o._calculate_qparams
+               for o in pair]
+        for fn in fns:
+            _per_call(fn, max(n // 10, 1))  # warm-up
+        times = ([], [])
+        for _ in range(repeat):
+            for i, fn in enumerate(fns):
+                times[i].append(_per_call(fn, n))
+        q, s = (1e6 * statistics.median(ts) for ts in times)
+        t.add(case, "x".join(map(str, shape)), call, f"{q:.1f}", f"{s:.1f}", f"{q / s:.2f}")
 
 
 def main():
