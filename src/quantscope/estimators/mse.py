@@ -207,8 +207,7 @@ def mse_search(units: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | 
         extend_to: with per-unit patience, units still improving at the end of the grid
             go on along it (``p = 1 - i / grid``) while ``p > 1 - extend_to`` (0.51 at the
             defaults) until they stop improving (None: the grid only). llm-compressor's
-            20-step grid ends at 0.81x, short of the int4 optimum of Gaussian-like rows
-            (about 0.75x).
+            20-step grid ends at 0.81x, short of the int4 optimum of Gaussian rows (~0.75x).
         compat: ``"llmcompressor"``: their exact search (global patience, their error sum,
             no min-max incumbent, fp32 scales without the global scale for NVFP4, other
             scale encodings as encoded; ``encoding_aware`` is then ignored).
