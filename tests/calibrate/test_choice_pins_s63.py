@@ -3,6 +3,7 @@ ranges, the per-layer ``joint`` criterion): behaviour no earlier test held, each
 against its definition (the module docs' formulas, llm-compressor's constant)."""
 
 import torch
+from test_smooth_dataflow import _Norm  # x * weight: a norm SmoothQuant may scale
 from torch import nn
 
 from quantscope import QuantSpec, qparams_from_range
@@ -11,17 +12,6 @@ from quantscope.calibration.choice.smooth import find_mappings, restore, smooth,
 from quantscope.calibration.choice.smooth_ranges import channel_ranges
 from quantscope.calibration.results.role_state import RoleState
 from quantscope.layout import Channel, Tensor
-
-
-class _Norm(nn.Module):
-    """``x * weight``: a norm SmoothQuant may scale (the probe checks that form)."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(width) + 0.5)
-
-    def forward(self, x):
-        return x * self.weight
 
 
 class _MLP(nn.Module):
