@@ -54,6 +54,7 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/compat/test_llmc_imatrix_dtypes.py tests/compat/test_llmc_mse_differential.py \
 	tests/compat/test_llmc_peers_s38.py tests/compat/test_llmc_tiny_scales_s59.py \
 	tests/compat/test_llmc_pins_s59.py tests/compat/test_modelopt_pins_s59.py \
+	tests/compat/test_llmc_peers_pins_s64.py \
 	tests/compat/test_quark_pins_s60.py \
 	tests/estimators/test_mse_edges.py \
 	tests/export/test_check_peers.py tests/export/test_export_ct_peers.py \
