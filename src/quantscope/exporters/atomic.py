@@ -28,6 +28,8 @@ from .atomic_swap import (
     _parent_lock,  # noqa: F401 (importable here, as before the split)
     _remove,
     _renameat2,
+    flush,
+    flush_entries,
     swap_in,
 )
 
@@ -429,7 +431,9 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=
             what = what or output_kind(tmp)
             _write_marker(tmp, [rel for rel, _ in _entries(tmp)], what)  # complete: ours
             _public_modes(tmp, keep_modes)
+            flush(tmp)
             _swap_in(tmp, path, overwrite, "folder", what)
+            flush_entries(parent)
         finally:
             _remove(tmp)  # the failed build, or the replaced folder
     except BaseException:
@@ -451,7 +455,9 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
         os.close(fd)
         yield tmp
         _public_modes(tmp)
+        flush(tmp)
         os.replace(tmp, path)  # a file: one atomic step, the target always exists
+        flush_entries(parent)
         if kind == "report":  # an export is no part of the folder: unlisted, it is kept
             with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
                 _record(path)

@@ -10,6 +10,11 @@ between those renames puts the old output back (or, superseded, deletes it): nev
 never left hidden. Only a kill at that instant (nothing can run) leaves it in the ``.old``
 folder (docs/SECURITY.md names the recovery).
 
+Before a swap names the new output it is on the disk (:func:`flush`), and the rename is
+after it (:func:`flush_entries`): file systems may write a rename before the data it names,
+so a power loss after the swap could otherwise find the old output gone and the new one's
+files empty.
+
 A reader of such a folder reads it with :func:`read_unchanged`, so a swap while it reads
 cannot give it files of two versions.
 """
@@ -25,7 +30,7 @@ import shutil
 import tempfile
 import warnings
 
-__all__ = ["read_unchanged", "swap_in"]
+__all__ = ["flush", "flush_entries", "read_unchanged", "swap_in"]
 
 _RETRIES = 100  # swaps lost to other writers before giving up (each loss is another's win)
 _READ_RETRIES = 5  # versions replaced under a reader (read_unchanged) before it gives up
@@ -58,6 +63,45 @@ def _parent_lock(parent: str):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
+
+
+def flush(top: str) -> None:
+    """``fsync`` the file ``top``, or every file under the folder ``top`` and every folder's
+    entries (links are names, not data: their folder's entries hold them)."""
+    if not os.path.isdir(top) or os.path.islink(top):
+        _fsync(top)
+        return
+    for root, _, files in os.walk(top):
+        for name in files:
+            p = os.path.join(root, name)
+            if not os.path.islink(p):
+                _fsync(p)
+        flush_entries(root)
+
+
+def flush_entries(folder: str) -> None:
+    """``fsync`` the folder's entries (a rename in it). Where a folder cannot be opened or
+    synced (Windows; a file system that takes no folder fsync) its renames are the system's
+    to keep."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -185,10 +185,8 @@ def _save_external(onnx, proto, tmp: str, target: str) -> tuple[str, str | None]
         check_float32_quantize(proto)  # (on the graph alone: the data is on the disk)
         _public_modes(data_tmp)
         created = _place(data_tmp, os.path.join(folder, location), digest)
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:  # (atomic_file flushes it to the disk)
             f.write(proto.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
         onnx.checker.check_model(tmp)  # on the path: the data file's place is checked too
     except BaseException:
         for left in (data_tmp, created):
