@@ -62,6 +62,17 @@ class Op(enum.Enum):
     SUM = "sum"
     AVG = "avg"  # mean over the ranks that saw data (approximate mode of moving averages)
 
+    def identity(self, dtype: torch.dtype):
+        """The value a state of ``dtype`` that saw nothing holds: the reduction's identity."""
+        if self is Op.SUM or self is Op.AVG:
+            return 0
+        if dtype == torch.bool:
+            return self is Op.MIN
+        if dtype.is_floating_point:
+            return float("inf") if self is Op.MIN else float("-inf")
+        info = torch.iinfo(dtype)
+        return info.max if self is Op.MIN else info.min
+
 
 MIN, MAX, SUM, AVG = Op.MIN, Op.MAX, Op.SUM, Op.AVG
 

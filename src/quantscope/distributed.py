@@ -18,7 +18,8 @@ collectives:
    same decision (including the same error) without a further exchange;
 2. one ``all_reduce`` of the grid parameters of every custom sync (histograms), if any;
 3. one ``all_reduce`` per (reduction, dtype) bucket: buffers are flattened and
-   concatenated; MIN is folded into MAX by negation (exact), AVG into SUM.
+   concatenated; MIN is folded into MAX by reversing the order (exact: ``-v`` for floats,
+   ``~v`` for integers and bools), AVG into SUM.
 
 Exactness. MIN / MAX / SUM states (static min-max, histogram counts, token counts)
 after sync equal, bitwise, those of one process that saw every batch: min and

@@ -47,17 +47,6 @@ _IN = {_PLANS: "syncs observers (sync())", _STEP_RANGE: "exchanges a min-max ste
        _STEP_UNITS: "exchanges a step's units"}
 
 
-def _identity(op: Op, dtype: torch.dtype):
-    if op is SUM or op is AVG:
-        return 0
-    if dtype == torch.bool:
-        return op is MIN
-    if dtype.is_floating_point:
-        return float("inf") if op is MIN else float("-inf")
-    info = torch.iinfo(dtype)
-    return info.max if op is MIN else info.min
-
-
 def _plan(obs) -> list:
     """The observer's declared plan as ``[(name, Op) | CustomSync]``."""
     declared = getattr(obs, "sync_plan", None)  # None: no quantscope Observer (torch.ao's)
@@ -181,8 +170,9 @@ def sync_observers(observers: Iterable, group=None) -> None:
 
     Syncing again is safe: an observer no rank has updated since its last sync is left
     alone, and one observed further counts only what each rank added since (min / max are
-    idempotent; the counters sum the ranks' increments). A histogram observed after its
-    sync raises: its counts would be counted once per rank (sync once, after the last batch).
+    idempotent; the counters sum the ranks' increments). A histogram (or a plan's SUM
+    state) observed after its sync raises: its counts would be counted once per rank (sync
+    once, after the last batch).
 
     An error of the local part on one rank (a plan, e.g. a histogram folding its last
     batches into its average; a header) raises on every rank: the failing rank its own, the
@@ -313,12 +303,13 @@ def _again(obs, plan, states, step_synced) -> bool:
     """Whether this is a sync after an earlier one (every rank holds the same synced state,
     plus what it observed since); raises where that cannot be reduced exactly."""
     if _FRESH not in states:
-        if not step_synced and any(isinstance(it, CustomSync) for it in plan) \
-                and _OBSERVED_SINCE in states:
+        summed = ["histogram counts" if isinstance(it, CustomSync) else f"SUM state {it[0]!r}"
+                  for it in plan if isinstance(it, CustomSync) or it[1] is SUM]
+        if not step_synced and summed and _OBSERVED_SINCE in states:
             raise ValueError(
-                f"sync: {obs.describe()} was observed after its last sync; its histogram "
-                f"counts would be counted once per rank. Sync once, after the last batch "
-                f"(or reset() the observer on every rank and observe again)")
+                f"sync: {obs.describe()} was observed after its last sync; its "
+                f"{', '.join(summed)} would be counted once per rank. Sync once, after the last "
+                f"batch (or reset() the observer on every rank and observe again)")
         return True
     if states != {_FRESH}:
         raise ValueError(f"sync: {obs.describe()} was reset or loaded on some ranks only since "
@@ -332,7 +323,7 @@ def _fill_identity(obs, plan, shapes) -> None:
             it.empty(obs, shapes)
             continue
         buf = getattr(obs, it[0])
-        setattr(obs, it[0], torch.full(shapes[it[0]], _identity(it[1], buf.dtype),
+        setattr(obs, it[0], torch.full(shapes[it[0]], it[1].identity(buf.dtype),
                                        dtype=buf.dtype, device=buf.device))
 
 
@@ -362,7 +353,7 @@ def _sync_customs(work, dev, group) -> dict[int, list]:
 
 def _buckets(work, extra, me) -> dict[tuple, list]:
     """4. ``(reduction, dtype) -> [(obs, name, op, n_seen, observed, base)]``: MIN folds
-    into MAX by negation, AVG into SUM; the base's counters always sum. ``base``: the synced
+    into MAX (:func:`_reversed`), AVG into SUM; the base's counters always sum. ``base``: the synced
     value a rank other than 0 takes off its counter in a sync after an earlier one."""
     buckets: dict[tuple, list] = {}
 
@@ -395,7 +386,7 @@ def _reduce_buckets(buckets, dev, group) -> None:
             if base is not None:
                 v = v - base.reshape(-1).to(v)
             if op is MIN:
-                v = -v
+                v = _reversed(v)
             elif op is AVG and not observed:
                 v = torch.zeros_like(v)
             parts.append(v)
@@ -405,12 +396,18 @@ def _reduce_buckets(buckets, dev, group) -> None:
         for (obs, name, op, n_seen, *_), v in zip(entries,
                                                   flat.split([p.numel() for p in parts])):
             if op is MIN:
-                v = -v
+                v = _reversed(v)
             elif op is AVG:
                 v = v / n_seen
             buf = getattr(obs, name)  # a new tensor, not copy_: buffers may be inference tensors
             setattr(obs, name, v.reshape(buf.shape).to(device=buf.device, dtype=buf.dtype,
                                                         copy=True))
+
+
+def _reversed(v: torch.Tensor) -> torch.Tensor:
+    """An exact order-reversing map, its own inverse (MIN as MAX): ``-v`` for floats, ``~v``
+    for integers (``-v`` overflows at int8's -128, and wraps 0 / 1 of bools as uint8)."""
+    return -v if v.is_floating_point() else ~v
 
 
 def step_sync(obs, units, lo, hi, group=None):
