@@ -102,7 +102,7 @@ def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)  # (not for writing: a file copied in may be read-only)
     try:
         os.fsync(fd)
-    except OSError as e:  # Windows flushes only a handle open for writing: its cache's then
+    except OSError as e:  # Windows flushes only handles open for writing: left to its cache
         if e.errno != errno.EBADF:
             raise
     finally:
