@@ -128,19 +128,18 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
     fmt = spec.format
     if enc.kind == "fp8_e4m3":  # NVFP4: e4m3 block scales under an fp32 global scale
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 16
-                and lay.axis in (-1, 1)):
+                and _last_axis(state, role)):
             raise _unsupported(layer, role, f"{spec} (fp8 block scales: NVFP4 only)")
         _whole_blocks(state, layer, role, 16)
         if state.dynamic is True:  # vLLM's NVFP4 layer reads a calibrated input_global_scale
-            raise _unsupported(layer, role, f"{spec} with its global scale from each call "
-                                            f"(NVFP4 activations run with a calibrated global "
-                                            f"scale: dynamic='local'; keep_float(mode='float') "
-                                            f"leaves such an input in float)")
+            raise _unsupported(layer, role, f"{spec} with its global scale from each call (NVFP4 "
+                               f"activations run with a calibrated global scale: dynamic='local'; "
+                               f"keep_float(mode='float') leaves such an input in float)")
         return {"strategy": "tensor_group", "group_size": 16, "scale_dtype": torch.float8_e4m3fn,
                 "zp_dtype": torch.float8_e4m3fn}
     if enc.kind == "e8m0":  # MX: E8M0 exponents, group 32
         if not (fmt.name == "fp4_e2m1" and isinstance(lay, Block) and lay.size == 32
-                and lay.axis in (-1, 1)):
+                and _last_axis(state, role)):
             raise _unsupported(layer, role, f"{spec} (MX: mxfp4 blocks of 32 only)")
         _whole_blocks(state, layer, role, 32)
         if state.dynamic and enc.mode != "even":
@@ -150,10 +149,9 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
         return {"strategy": "group", "group_size": 32, "scale_dtype": torch.uint8,
                 "zp_dtype": torch.uint8}
     if fmt.name == "fp4_e2m1":  # its fp4 compressors write e4m3 or e8m0 scales, nothing else
-        raise _unsupported(layer, role, f"{spec} with {enc} scales (compressed-tensors "
-                                        f"writes fp4 only as NVFP4: fp8 e4m3 scales of blocks "
-                                        f"of 16 under an fp32 global scale, or as MXFP4: e8m0 "
-                                        f"scales of blocks of 32)")
+        raise _unsupported(layer, role, f"{spec} with {enc} scales (compressed-tensors writes "
+                           f"fp4 only as NVFP4: fp8 e4m3 scales of blocks of 16 under an fp32 "
+                           f"global scale, or as MXFP4: e8m0 scales of blocks of 32)")
     if enc.kind != "fp32":
         lossy(layer, role, f"{enc} scale encoding",
               "store the same scale values as plain float scales, in the model's dtype (the "
@@ -161,13 +159,20 @@ def _strategy_args(state, layer: str, role: str, lossy: _Lossy) -> dict:
     return _layout_args(state, layer, role)
 
 
+def _last_axis(state, role: str) -> bool:
+    """Whether the groups or blocks run along the last axis, where compressed-tensors puts
+    them: -1 or the recorded shape's last (a weight without one: a Linear's, 2-D); axis 1 of a
+    ``[batch, seq, hidden]`` input is the sequence."""
+    ndim = len(state.shape) if state.shape is not None else 2 if role == "weight" else 0
+    return state.spec.layout.axis in (-1, ndim - 1)
+
+
 def _whole_blocks(state, layer: str, role: str, size: int) -> None:
     """compressed-tensors packs NVFP4 / MX weights in whole blocks of their last axis only."""
     if state.shape is not None and state.shape[-1] % size:
-        raise ValueError(f"export compressed-tensors: layer {layer!r} {role}: "
-                         f"{state.shape[-1]} columns (shape {tuple(state.shape)}) are not a "
-                         f"multiple of the block size {size}; compressed-tensors packs whole "
-                         f"blocks only (ignore the layer in the recipe)")
+        raise ValueError(f"export compressed-tensors: layer {layer!r} {role}: {state.shape[-1]} "
+                         f"columns (shape {tuple(state.shape)}) are not a multiple of the block "
+                         f"size {size}; compressed-tensors packs whole blocks (ignore the layer)")
 
 
 def _layout_args(state, layer: str, role: str) -> dict:
@@ -178,7 +183,7 @@ def _layout_args(state, layer: str, role: str) -> dict:
     if isinstance(lay, Channel) and role == "weight" and shape is not None \
             and len(shape) == 2 and lay.axis % 2 == 0:  # rows: axis 0 or -2
         return {"strategy": "channel"}
-    if isinstance(lay, Group) and lay.order is None and lay.axis in (-1, 1):  # g_idx moves none
+    if isinstance(lay, Group) and lay.order is None and _last_axis(state, role):  # in order
         return {"strategy": "group", "group_size": lay.size}
     if isinstance(lay, Token) and state.dynamic is True:
         return {"strategy": "token"}
