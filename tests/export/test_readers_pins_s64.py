@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from test_check import ATTN, MLP, _fp8_group, nvfp4_checkpoint, write
 from test_check_experts_held import EXPERTS, _fp8_experts, _write
 from test_check_zero_points_s62 import _exported, _zero_points
+from test_read_s39 import _edited
 from test_read_validation import tiny_llama
 
 from quantscope import Group, QuantSpec, Tensor
@@ -188,26 +189,18 @@ def test_a_quantized_layer_without_its_weight_scale_is_refused_naming_it(w8a8, t
         Calibration.from_compressed_tensors(folder)
 
 
-def _with_config(src, dst, edit):
-    folder = shutil.copytree(src, dst)
-    cfg = json.loads((folder / "config.json").read_text())
-    edit(cfg["quantization_config"])
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
 def test_a_mixed_precision_config_of_group_formats_reads(w8a8, tmp_path):
     """llm-compressor's config of several formats: "mixed-precision" on top, each group's own."""
     def edit(qc):
         for group in qc["config_groups"].values():
             group["format"] = qc["format"]
         qc["format"] = "mixed-precision"
-    back = Calibration.from_compressed_tensors(_with_config(w8a8, tmp_path / "mixed", edit))
+    back = Calibration.from_compressed_tensors(_edited(w8a8, tmp_path / "mixed", edit))
     assert back.quantizes_like(Calibration.from_compressed_tensors(w8a8))
 
 
 def test_a_config_of_no_groups_and_no_kv_cache_is_refused_as_matching_nothing(w8a8, tmp_path):
-    folder = _with_config(w8a8, tmp_path / "none", lambda qc: qc.update(config_groups={}))
+    folder = _edited(w8a8, tmp_path / "none", lambda qc: qc.update(config_groups={}))
     with pytest.raises(ValueError, match=r"no module of .* matches the config groups' targets"):
         Calibration.from_compressed_tensors(folder)
 
