@@ -19,26 +19,47 @@ from quantscope.observers import sync as qsync
 from quantscope.spec import QuantSpec
 
 
-class _Tally(quantscope.Observer):
-    """Counts the values it saw above zero (one SUM state, as token counts reduce)."""
+class _OneState(quantscope.Observer):
+    """One state ``name`` of ``dtype`` reducing with ``op``: each batch's ``step(units, lo)``
+    folded into it with ``fold``."""
 
-    def __init__(self, spec=None):
+    def __init__(self, spec, name, dtype, op, step, fold):
         super().__init__(spec)
-        self.register_buffer("above", torch.zeros(0, dtype=torch.int64))
+        self._state, self._op, self._step, self._fold = name, op, step, fold
+        self.register_buffer(name, torch.zeros(0, dtype=dtype))
 
     def sync_plan(self):
-        return {"above": comm.SUM}
+        return {self._state: self._op}
 
     def _observe(self, units, lo, hi):
-        got = (units > 0).sum(1)
-        self.above = got if self.above.numel() == 0 else self.above + got
+        old = getattr(self, self._state)
+        new = self._step(units, lo).to(old.dtype)
+        setattr(self, self._state, new if old.numel() == 0 else self._fold(old, new))
+
+
+def _tally():
+    """Counts the values it saw above zero (one SUM state, as token counts reduce)."""
+    return _OneState(QuantSpec(), "above", torch.int64, comm.SUM,
+                     lambda units, lo: (units > 0).sum(1), torch.add)
+
+
+def _flags():
+    """Per unit: whether every value seen was positive (a bool state reducing with MIN)."""
+    return _OneState(QuantSpec(), "positive", torch.bool, comm.MIN,
+                     lambda units, lo: lo > 0, torch.logical_and)
+
+
+def _least(dtype):
+    """Per channel: the least value seen, kept in ``dtype`` (a MIN state of an integer type)."""
+    return _OneState(QuantSpec("int8", "channel"), "least", dtype, comm.MIN,
+                     lambda units, lo: lo, torch.minimum)
 
 
 def test_a_sum_state_fed_after_its_sync_is_refused(ranks):  # noqa: F811
     w = ranks(2)
 
     def twice(r):
-        obs = _Tally(QuantSpec())
+        obs = _tally()
         obs(torch.tensor([1.0, 2.0, -1.0]))  # 2 above zero on each rank
         qsync.sync_observers([obs])
         first = int(obs.above)
@@ -55,27 +76,13 @@ def test_a_sum_state_not_fed_since_its_sync_syncs_again_unchanged(ranks):  # noq
     w = ranks(2)
 
     def twice(r):
-        obs = _Tally(QuantSpec())
+        obs = _tally()
         obs(torch.tensor([1.0, 2.0, -1.0]))
         qsync.sync_observers([obs])
         qsync.sync_observers([obs])
         return int(obs.above)
 
     assert _ok(w.run(twice)) == [4, 4]
-
-
-class _Flags(quantscope.Observer):
-    """Per unit: whether every value seen was positive (a bool state reducing with MIN)."""
-
-    def __init__(self, spec=None):
-        super().__init__(spec)
-        self.register_buffer("positive", torch.zeros(0, dtype=torch.bool))
-
-    def sync_plan(self):
-        return {"positive": comm.MIN}
-
-    def _observe(self, units, lo, hi):
-        self.positive = lo > 0 if self.positive.numel() == 0 else self.positive & (lo > 0)
 
 
 def test_a_bool_min_state_is_the_and_over_the_ranks(ranks):  # noqa: F811
@@ -85,27 +92,12 @@ def test_a_bool_min_state_is_the_and_over_the_ranks(ranks):  # noqa: F811
     xs = [torch.tensor([1.0, 2.0]), torch.tensor([-1.0, 2.0])]
 
     def sync(r):
-        obs = _Flags(QuantSpec())
+        obs = _flags()
         obs(xs[r])
         qsync.sync_observers([obs])
         return obs.positive.tolist()
 
     assert _ok(w.run(sync)) == [[False], [False]]
-
-
-class _Least(quantscope.Observer):
-    """Per unit: the least value seen, kept in ``dtype`` (a MIN state of an integer type)."""
-
-    def __init__(self, spec=None, dtype=torch.int8):
-        super().__init__(spec)
-        self.register_buffer("least", torch.zeros(0, dtype=dtype))
-
-    def sync_plan(self):
-        return {"least": comm.MIN}
-
-    def _observe(self, units, lo, hi):
-        lo = lo.to(self.least.dtype)
-        self.least = lo if self.least.numel() == 0 else torch.minimum(self.least, lo)
 
 
 @pytest.mark.parametrize("dtype, values", [
@@ -118,7 +110,7 @@ def test_an_integer_min_state_is_the_least_over_the_ranks(ranks, dtype, values):
     xs = [torch.tensor(v)[:, None] for v in values]  # two units of one element a rank
 
     def sync(r):
-        obs = _Least(QuantSpec("int8", "channel"), dtype)
+        obs = _least(dtype)
         obs(xs[r])
         qsync.sync_observers([obs])
         return obs.least.tolist()
@@ -131,7 +123,7 @@ def test_an_idle_ranks_bool_min_identity_leaves_the_others_false(ranks):  # noqa
     w = ranks(2)
 
     def sync(r):
-        obs = _Flags(QuantSpec())
+        obs = _flags()
         if r == 0:
             obs(torch.tensor([-1.0, 2.0]))
         qsync.sync_observers([obs])
