@@ -73,6 +73,22 @@ def test_a_file_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkeypa
     assert (tmp_path / "report.md").read_text() == "new"
 
 
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_the_folders_a_write_makes_are_named_on_the_disk_too(tmp_path, monkeypatch, kind):
+    """An output whose parent folders the write made: after the swap, the entries of its
+    parent and of every folder above a made one, innermost first (a power loss must not
+    lose the new chain of folders and with it the output)."""
+    events = _record(monkeypatch, tmp_path)
+    write = atomic.atomic_dir if kind == "folder" else atomic.atomic_file
+    with write(tmp_path / "a" / "b" / "out") as tmp:
+        if kind == "file":
+            with open(tmp, "w") as f:
+                f.write("x")
+    (swap,) = [e for e in events if e[0] == "swap" and e[2] == os.path.join("a", "b", "out")]
+    after = events[events.index(swap) + 1:]
+    assert after[:3] == [("fsync", "a/b"), ("fsync", "a"), ("fsync", ".")]
+
+
 def test_a_write_that_cannot_reach_the_disk_fails_and_keeps_the_old_output(tmp_path,
                                                                            monkeypatch):
     with atomic.atomic_dir(tmp_path / "out") as tmp, open(os.path.join(tmp, "v"), "w") as f:

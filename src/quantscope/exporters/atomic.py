@@ -433,7 +433,7 @@ def atomic_dir(path, *, overwrite: bool = False, inputs=(), keep_modes=(), what=
             _public_modes(tmp, keep_modes)
             flush(tmp)
             _swap_in(tmp, path, overwrite, "folder", what)
-            flush_entries(parent)
+            _flush_names(parent, made)
         finally:
             _remove(tmp)  # the failed build, or the replaced folder
     except BaseException:
@@ -457,7 +457,7 @@ def atomic_file(path, *, overwrite: bool = True, inputs=(), kind: str = "report"
         _public_modes(tmp)
         flush(tmp)
         os.replace(tmp, path)  # a file: one atomic step, the target always exists
-        flush_entries(parent)
+        _flush_names(parent, made)
         if kind == "report":  # an export is no part of the folder: unlisted, it is kept
             with contextlib.suppress(OSError):  # unlisted, the folder is refused, never lost
                 _record(path)
@@ -478,6 +478,13 @@ def _made_parents(parent: str) -> list[str]:
         p = os.path.dirname(p)
     os.makedirs(parent, exist_ok=True)
     return made
+
+
+def _flush_names(parent: str, made: list[str]) -> None:
+    """``fsync`` the entries naming a new output: ``parent``'s, and those of the folders
+    above each folder :func:`_made_parents` made (else a power loss may lose the chain)."""
+    for folder in (parent, *map(os.path.dirname, made)):
+        flush_entries(folder)
 
 
 def _unmake(made: list[str]) -> None:
