@@ -208,6 +208,7 @@ def test_overwrite_recognises_its_own_export_by_metadata_whatever_the_name(tmp_p
 
 @pytest.mark.parametrize(("weight", "expected"), [
     (QuantSpec("int8", Channel(0)), {"MatMulIntegerToFloat": 2}),
+    (QuantSpec("int8", Tensor()), {"MatMulIntegerToFloat": 2}),  # a scalar weight scale
     (QuantSpec("int4", Group(16)), {"MatMul": 2})])  # ORT has no int4 x int8 kernel
 def test_2d_linears_run_as_integer_kernels_and_float_fallbacks_are_counted(tmp_path, weight,
                                                                            expected):

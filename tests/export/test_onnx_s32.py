@@ -35,8 +35,8 @@ def test_an_opset_past_torch_onnxs_own_is_refused_naming_it(tmp_path):
     (QuantSpec("int8", Channel(0)), "MatMulNBits"),
     (QuantSpec("int4", Group(32)), "MatMulNBits"),
     (QuantSpec("int4", Group(16)), "MatMulNBits"),
-    (QuantSpec("int8", Tensor()), "MatMul"),  # per tensor
-    (QuantSpec("int4", Tensor()), "MatMul"),
+    (QuantSpec("int8", Tensor()), "MatMulNBits"),  # per tensor: a scalar scale, spread
+    (QuantSpec("int4", Tensor()), "MatMulNBits"),
     (QuantSpec("int16", Channel(0)), "MatMul"),  # 16-bit
     (QuantSpec("int4", Group(48)), "MatMul"),  # not a power of two
     (QuantSpec("int4", Group(8)), "MatMul"),  # below 16

@@ -2,9 +2,9 @@
 as QuantizeLinear / DequantizeLinear (:mod:`.onnx_graph`), shaped so ONNX Runtime
 (:func:`session`) runs a quantized Linear on an integer kernel where it has one:
 8-bit per-tensor / per-channel weights with an 8-bit static input as ``MatMulIntegerToFloat``,
-weight-only Linears and 16-bit inputs as ``MatMulNBits`` (2- to 8-bit weights per channel or
-in groups of a power-of-two size >= 16). ORT has no kernel for 4-bit weights with an 8-bit
-input, nor fuses other weight-only ones (per tensor, 16-bit, other group sizes): those run as
+weight-only Linears and 16-bit inputs as ``MatMulNBits`` (2- to 8-bit weights per tensor, per
+channel or in groups of a power-of-two size >= 16). ORT has no kernel for 4-bit weights with an
+8-bit input, nor fuses other weight-only ones (16-bit, other group sizes): those run as
 a float ``MatMul`` on the dequantized weight (values equal; :func:`integer_kernel_counts`
 reports such float fallbacks).
 

@@ -166,7 +166,7 @@ def _weight_dq(layer, state, weight: torch.Tensor, transposed: bool, prefix: str
     dtype, codes, zp = unsigned(dtype, codes, zp, shift)
     names = [f"{prefix}.weight_q", f"{prefix}.weight_scale", f"{prefix}.weight_zero_point"]
     inits = [code_tensor(names[0], dtype, codes),  # raw bytes: 1 per int8 code, 1/2 per int4
-             numpy_helper.from_array(np.ascontiguousarray(scale.numpy()), names[1]),
+             numpy_helper.from_array(scale.contiguous().numpy(), names[1]),  # 0-d kept
              code_tensor(names[2], dtype, zp)]
     out = f"{prefix}.weight_dq"
     node = helper.make_node("DequantizeLinear", names, [out], name=f"{prefix}/weight_dq",
