@@ -45,7 +45,8 @@ def quark_spec(qspec, *, pad_blocks: bool = False, uniform: bool = False,
     symmetric = field(qspec, "symmetric")
     symmetric = True if symmetric is None else bool(symmetric)
     scale_format = enum_name(field(qspec, "scale_format")) or "float32"
-    if uniform and (dtype in _INT or (dtype.startswith("fp8") and qscheme != "per_group")):
+    fp8 = isinstance(dtype, str) and dtype.startswith("fp8")  # (None: refused below)
+    if uniform and (dtype in _INT or (fp8 and qscheme != "per_group")):
         # Quark's integer formula, and its fp8 one on a per-tensor / per-channel range,
         # never read scale_format: plain amax-based scales
         scale_format = "float32"
