@@ -94,21 +94,25 @@ def _joined_state(w: torch.Tensor, cfg: Role, names, slot) -> RoleState:
     """The state of a group's weights ``w`` (concatenated) under ``cfg``: each observer of
     ``names`` watching the spec the members' own would (:func:`observed_spec`: a ``"local"``
     weight's global amax per tensor), the one with the least QDQ error kept."""
-    best = None
+    best, failed = None, []
     for n in names:
         try:
             obs = get_observer(n, observed_spec(cfg), **_joined_options(n, cfg, slot)).to(
                 w.device)
             obs(w)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as e:
             if len(names) == 1:
                 raise
+            failed.append(f"{n}: {e}")
             continue
         state = replace(_state_from(obs, cfg, tuple(w.shape)), requested=cfg.observer)
         err = (float((qdq_tensor(w, state).float() - w.float()).square().sum())
                if len(names) > 1 else 0.0)
         if best is None or err < best[1]:
             best = (state, err)
+    if best is None:  # each member's weight took a candidate, the joined weight none
+        raise ValueError(f"calibrate: no candidate observer takes the joined weights of "
+                         f"{slot.layer!r}'s fusion group: " + "; ".join(failed))
     return best[0]
 
 
