@@ -60,17 +60,20 @@ def role_options(options) -> tuple:
     if pairs is None or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError(f"Role.options must be a mapping of observer keyword names to values "
                          f"({{'averaging_constant': 0.1}}), got {options!r}")
-    options = {name: _frozen(value) for name, value in pairs}
-    for name, value in options.items():
+    out = {}
+    for name, value in pairs:
         if not isinstance(name, str):
             raise ValueError(  # noqa: TRY004 (bad input is a ValueError naming the field)
                 f"Role.options: keyword names must be strings, got {name!r}")
+        if name in out:  # as a keyword or a recipe file's key given twice: never the last kept
+            raise ValueError(f"Role.options: {name!r} is given twice; give each option once")
+        out[name] = value = _frozen(value)
         try:
             hash(value)
         except TypeError:
             raise ValueError(f"Role.options[{name!r}] must be hashable (observers are shared "
                              f"by their options), got {value!r}") from None
-    return tuple(sorted(options.items()))
+    return tuple(sorted(out.items()))
 
 
 def _frozen(value):
