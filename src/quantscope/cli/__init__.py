@@ -270,13 +270,14 @@ def _run(args) -> int:
         if args.debug:
             traceback.print_exc()
         where = f" (rank {args.rank})" if args.world > 1 else ""
-        msg = " ".join(str(e).split()) or type(e).__name__  # every line of it, as one
+        msg = " ".join(str(e).split())  # every line of it, as one
         msg = msg.removeprefix(f"{args.command}: ")  # named once: "quantscope export: error:"
         if len(msg) > 500:
             msg = msg[:500] + " ... (--debug shows all)"
         kind = "" if isinstance(e, (UsageError, FileNotFoundError, ValueError)) else (
             f"{type(e).__name__}: ")
-        print(f"quantscope {args.command}: error{where}: {kind}{msg}", file=sys.stderr)
+        line = f"{kind}{msg}" if msg else type(e).__name__  # no message: its class, once
+        print(f"quantscope {args.command}: error{where}: {line}", file=sys.stderr)
         return 2
     finally:
         if joined:
