@@ -199,7 +199,8 @@ def not_encoded(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
     if encoding.kind == "e8m0":
         return _exp2(_floor_log2(scale).clamp_(*E8M0_EXPONENTS)) != scale
     exact = ScaleEncoding("pow2", "floor") if encoding.kind == "pow2" else encoding
-    return encode_scale(scale, exact) != scale
+    # e4m3 rounds 0 and negative values to themselves: no encoding but fp32 stores them
+    return (encode_scale(scale, exact) != scale) | (scale <= 0)
 
 
 def smallest_scale_at_least(eps: float, encoding: ScaleEncoding) -> float:

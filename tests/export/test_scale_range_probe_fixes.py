@@ -113,6 +113,8 @@ def _edited_in_memory(cal, value_fn):
     ("mxfp4", lambda s: torch.full_like(s, 2.0 ** -149), repr(2.0 ** -149)),
     ("nvfp4", lambda s: torch.full_like(s, 161.6), "161.6"),
     ("nvfp4", lambda s: torch.full_like(s, 160000.0), "160000.0"),
+    ("nvfp4", lambda s: torch.zeros_like(s), "0.0"),  # e4m3 values, but no scale
+    ("nvfp4", lambda s: torch.full_like(s, -0.5), "-0.5"),
 ])
 def test_export_refuses_a_block_scale_it_would_write_as_another(calibrated, tmp_path, recipe,
                                                                 value_fn, shown):
