@@ -198,9 +198,10 @@ def not_encoded(scale: torch.Tensor, encoding: ScaleEncoding) -> torch.Tensor:
         return torch.zeros(scale.shape, dtype=torch.bool, device=scale.device)
     if encoding.kind == "e8m0":
         return _exp2(_floor_log2(scale).clamp_(*E8M0_EXPONENTS)) != scale
+    if encoding.kind == "fp8_e4m3":  # it rounds 0 and negative values to themselves
+        return (encode_scale(scale, encoding) != scale) | (scale <= 0)
     exact = ScaleEncoding("pow2", "floor") if encoding.kind == "pow2" else encoding
-    # e4m3 rounds 0 and negative values to themselves: no encoding but fp32 stores them
-    return (encode_scale(scale, exact) != scale) | (scale <= 0)
+    return encode_scale(scale, exact) != scale  # (these clamp to their smallest positive)
 
 
 def smallest_scale_at_least(eps: float, encoding: ScaleEncoding) -> float:
