@@ -181,20 +181,16 @@ def _cuda(monkeypatch, available: bool, count: int, built=None):
     monkeypatch.setattr(torch.version, "cuda", built)
 
 
-def test_a_device_index_equal_to_the_count_is_refused(monkeypatch):
-    _cuda(monkeypatch, True, 2, "12.4")
-    check_device(torch.device("cuda:1"), "who")
-    with pytest.raises(ValueError, match=r"^who cuda:2: this machine has 2 cuda devices "
-                                         r"\(cuda:0 to cuda:1\)$"):
-        check_device(torch.device("cuda:2"), "who")
-
-
-def test_one_device_is_named_in_the_singular(monkeypatch):
-    _cuda(monkeypatch, True, 1, "12.4")
+@pytest.mark.parametrize(("count", "devices"), [(2, "2 cuda devices"), (1, "1 cuda device")])
+def test_a_device_index_equal_to_the_count_is_refused(monkeypatch, count, devices):
+    """No index and the last one are taken, the count refused; one device is named in the
+    singular."""
+    _cuda(monkeypatch, True, count, "12.4")
     check_device(torch.device("cuda"), "who")
-    with pytest.raises(ValueError, match=r"this machine has 1 cuda device \(cuda:0 to "
-                                         r"cuda:0\)$"):
-        check_device(torch.device("cuda:1"), "who")
+    check_device(torch.device(f"cuda:{count - 1}"), "who")
+    with pytest.raises(ValueError, match=rf"^who cuda:{count}: this machine has {devices} "
+                                         rf"\(cuda:0 to cuda:{count - 1}\)$"):
+        check_device(torch.device(f"cuda:{count}"), "who")
 
 
 @pytest.mark.parametrize(("built", "said"), [(None, ", built without CUDA"), ("12.4", "")])
