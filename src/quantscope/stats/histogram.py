@@ -47,7 +47,7 @@ from . import hist_kernel
 __all__ = ["E_MAX", "E_MIN", "STATE_BUFFERS", "Hist", "HistState", "add_values", "binned_counts",
            "check_state", "empty_state", "fold_abs", "grid_exponent", "grid_first",
            "linear_counts", "merge", "normal_width", "padding_zeros", "pow2", "rebin", "scaled",
-           "update", "view"]
+           "union_grid", "update", "view"]
 
 E_MIN, E_MAX = -126, 126  # 2**e and 2**-e both normal float32
 _MAG_BITS = 22  # bin indices stay below 2**23: exact in float32 and int32
@@ -244,18 +244,22 @@ def empty_state(units: int, bins: int, device=None) -> HistState:
                      torch.full((units,), float("-inf"), dtype=torch.float32, device=device))
 
 
+def union_grid(lo, hi, exp, bins: int, absolute: bool):
+    """The grid ``(exp, first)`` of the range ``[lo, hi]``, at least exponent ``exp``; where
+    the range is empty (``lo > hi``: the unit saw nothing) :func:`empty_state`'s ``(E_MIN, 0)``."""
+    empty = lo > hi
+    e = torch.maximum(exp, grid_exponent(lo, hi, bins)).masked_fill(empty, E_MIN)
+    return e, grid_first(lo, e, absolute).masked_fill(empty, 0)
+
+
 def _regrid(state: HistState, lo, hi, bins, absolute, exp=None) -> HistState:
     """``state`` re-binned onto the grid of its range joined with ``[lo, hi]`` (and at least
     exponent ``exp``, another histogram's, for a merge); where the joined range is empty
     (a merge of two empty states) the state stays :func:`empty_state`'s."""
     lo = torch.minimum(state.lo, lo)
     hi = torch.maximum(state.hi, hi)
-    e = torch.maximum(state.exp, grid_exponent(lo, hi, bins))
-    if exp is not None:
-        e = torch.maximum(e, exp)
-    empty = lo > hi
-    e = e.masked_fill(empty, E_MIN)
-    first = grid_first(lo, e, absolute).masked_fill(empty, 0)
+    least = state.exp if exp is None else torch.maximum(state.exp, exp)
+    e, first = union_grid(lo, hi, least, bins, absolute)
     counts = rebin(state.counts, state.exp, state.first, e, first)
     return HistState(counts, e, first, lo, hi)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import SUM, CustomSync
-from .histogram import HistState, empty_state, grid_exponent, grid_first, rebin
+from .histogram import HistState, empty_state, rebin, union_grid
 
 __all__ = ["HistogramSync"]
 
@@ -71,8 +71,7 @@ class HistogramSync(CustomSync):
         U, bins = sum(units), sts[0].counts.shape[1]
         g = grids[0].to(sts[0].counts.device)
         lo, hi = (-g[:U]).float(), g[U:2 * U].float()
-        e = torch.maximum(g[2 * U:].long(), grid_exponent(lo, hi, bins))
-        first = grid_first(lo, e, pairs[0][1].absolute)
+        e, first = union_grid(lo, hi, g[2 * U:].long(), bins, pairs[0][1].absolute)
         old_e = torch.cat([st.exp for st in sts])
         old_first = torch.cat([st.first for st in sts])
         # only units whose grid moves are re-binned (none, once the ranks agree)
