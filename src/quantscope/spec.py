@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._numerics import _F32_MAX, as_float32
+from ._plainchecks import as_bool
 from .formats import FloatFormat, Format, IntFormat, as_int, as_number, format_to_json, get_format
 from .layout import Block, Layout, parse_layout
 from .scales import ScaleEncoding, encode_scale
@@ -60,9 +61,10 @@ class QuantSpec:
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "scale", scale)
-        if not isinstance(self.symmetric, bool):
-            raise ValueError(  # noqa: TRY004 (issue 2: every invalid field is a ValueError)
-                f"QuantSpec.symmetric must be True or False, got {self.symmetric!r}")
+        symmetric = as_bool(self.symmetric)  # numpy's too, kept as the Python bool (to_dict)
+        if symmetric is None:
+            raise ValueError(f"QuantSpec.symmetric must be True or False, got {self.symmetric!r}")
+        object.__setattr__(self, "symmetric", symmetric)
         if isinstance(fmt, FloatFormat) and not self.symmetric:
             raise ValueError(
                 f"QuantSpec.symmetric: {fmt.name} is a float format and is symmetric only; "
