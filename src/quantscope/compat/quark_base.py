@@ -302,7 +302,7 @@ class QuarkObserver(SavesNoState):
         a range never observed (``inf``, ``-inf`` or empty) gives Quark's ``([1.], [0])``
         (checked first, as Quark's), a float dtype :class:`UnsupportedElementError`."""
         if min_val.numel() == 0 or max_val.numel() == 0 or (
-                min_val.dim() == 0 and bool(min_val == float("inf"))
+                (min_val.dim() == 0 or max_val.dim() == 0) and bool(min_val == float("inf"))
                 and bool(max_val == float("-inf"))):
             return _quark_int_default()
         if self.spec.is_float:  # Quark asserts an integer quant_min / quant_max
