@@ -51,9 +51,9 @@ amax is a float32 0-d tensor on the CPU, as ModelOpt's; an unknown method is Mod
 per unit of the old one; ModelOpt keeps its amax, and a next batch of another amax shape is
 its ``RuntimeError``); the same axis, however spelled for the data's dims (``-1`` and ``1`` on
 2-D), keeps it (one axis named as several, ``(1, -1)`` for ``1``, or ``-1`` for ``0`` on
-1-D data, views it otherwise: a new axis). ``unsigned`` takes True / False and 1 / 0. An
-unpickled state is checked as ``load_state_dict`` checks one: its buffers and amax shape
-must fit its arguments (else a ``ValueError`` naming the field).
+1-D data, views it otherwise: a new axis). ``unsigned`` takes True / False (numpy's too) and
+1 / 0. An unpickled state is checked as ``load_state_dict`` checks one: its buffers and amax
+shape must fit its arguments (else a ``ValueError`` naming the field).
 
 Both are observers too: ``forward`` / ``qparams()`` run the native observer (the histogram's
 estimate is the entropy amax); they register as ``"modelopt:MaxCalibrator"`` and
@@ -117,10 +117,11 @@ on, or fails to allocate them); ``_calib_hist`` /
 ``_calib_bin_edges`` then read that grid, and the mse method's candidates stop at its top
 occupied bin, as ModelOpt's grid ends at the data's max. ``num_bins`` is at least 2
 (ModelOpt: any; that grid needs two bins).
-``torch_hist=False`` (ModelOpt's numpy path, a ``[min |x|, max |x|]`` grid) is not
-supported. fp8 histogram batches are taken (ModelOpt's ``histc`` fails on them: torch's
-``"min_all" not implemented``). ``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that
-float format: the amax is the same max, the entropy method (integer codes) refuses it.
+``torch_hist`` takes True or 1, as ``unsigned``; ``torch_hist=False`` (ModelOpt's numpy
+path, a ``[min |x|, max |x|]`` grid) is not supported. fp8 histogram batches are taken
+(ModelOpt's ``histc`` fails on them: torch's ``"min_all" not implemented``).
+``num_bits=(E, M)`` (ModelOpt's fp8 / fp4 configs) takes that float format: the amax is the
+same max, the entropy method (integer codes) refuses it.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ from .modelopt_base import (
     _upcast,
 )
 from .modelopt_grid import ModelOptGrid
-from .modelopt_spec import _check_percentile, _per_tensor, _plan, modelopt_spec
+from .modelopt_spec import _check_percentile, _per_tensor, _plan, modelopt_flag, modelopt_spec
 
 __all__ = [
     "HistogramCalibrator",
@@ -375,9 +376,9 @@ class HistogramCalibrator(ModelOptCalibrator, ModelOptGrid, AppendingFirstGrid,
     def __init__(self, num_bits=8, axis=None, unsigned=False, num_bins=2048, grow_method=None,
                  skip_zeros=False, torch_hist=True, **kwargs):
         _per_tensor(axis)
-        if torch_hist is not True:
-            raise ValueError(f"modelopt HistogramCalibrator: only torch_hist=True (torch.histc "
-                             f"bins) is supported, got torch_hist={torch_hist!r}")
+        if modelopt_flag(torch_hist) is not True:  # False: ModelOpt's numpy path
+            raise ValueError(f"modelopt HistogramCalibrator: only torch_hist=True or 1 "
+                             f"(torch.histc bins) is supported, got torch_hist={torch_hist!r}")
         check_int("modelopt HistogramCalibrator", "num_bins", num_bins, self.MIN_BINS)
         self.grow_method = grow_method  # deprecated in ModelOpt, and ignored there
         super().__init__(num_bits, axis, unsigned, bins=num_bins, grid="first",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numbers
 
 from .._checks import check_int
+from .._plainchecks import as_bool
 from ..layout import Channel, Tensor
 from ..spec import QuantSpec
 
@@ -46,6 +47,14 @@ def _plan(axis, nd: int) -> tuple[tuple[int, ...], str]:
     return kept, "as is" if len(axes) == 1 else "flat"
 
 
+def modelopt_flag(value) -> bool | None:
+    """A ModelOpt flag as a bool: True / False (numpy's too) or 1 / 0; else None. ModelOpt
+    reads any truthy value; a string or None would be read silently."""
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    return as_bool(value)
+
+
 _FLOATS = {(4, 3): "fp8_e4m3", (5, 2): "fp8_e5m2", (2, 1): "fp4_e2m1"}  # ModelOpt's float bits
 
 
@@ -56,9 +65,10 @@ def modelopt_spec(num_bits=8, axis=None, unsigned=False) -> QuantSpec:
     of ``(E, M)`` bits (fp8 e4m3 / e5m2, fp4 e2m1), per tensor, or
     per index of ``axis`` when it keeps one axis (several: ``Channel(0)`` of the kept axes
     flattened, :meth:`MaxCalibrator.collect`)."""
-    # ModelOpt takes any truthy value; 1 / 0 as well as bools (a bool is an Integral)
-    if not isinstance(unsigned, numbers.Integral) or unsigned not in (0, 1):
+    flag = modelopt_flag(unsigned)
+    if flag is None:
         raise TypeError(f"modelopt: unsigned must be True / False (or 1 / 0), got {unsigned!r}")
+    unsigned = flag
     axes = _axes(axis)
     layout = Tensor() if not axes else Channel(axes[0] if len(axes) == 1 else 0)
     if isinstance(num_bits, (tuple, list)):  # (exponent, mantissa) bits: a float format
