@@ -26,7 +26,7 @@ def test_a_shard_size_huggingface_hub_reads_is_taken(value):
     """``parse_size_to_int`` strips the text and upper-cases its unit: ``"5gb"`` is 5 GB."""
     from quantscope.exporters.ct_compress import check_shard_size
 
-    check_shard_size(value, "export")
+    assert check_shard_size(value, "export") is None  # taken: no error
 
 
 @pytest.mark.parametrize("value", [True, 0.5, math.inf, math.nan, "infGB", "0.5", None])
