@@ -202,19 +202,6 @@ def test_the_others_raise_the_first_failing_ranks_message_as_it_reads(ranks):  #
     assert str(got[0]) == str(got[1]) == "bad value (a step failed on rank(s) [2])"
 
 
-def test_without_same_type_the_others_name_the_step_that_failed(ranks):  # noqa: F811
-    w = ranks(2)
-
-    def step(r):
-        with comm.all_or_none("planning"):
-            if r == 1:
-                raise ValueError("bad value")
-
-    got = w.run(step)
-    assert type(got[0]) is RuntimeError and isinstance(got[1], ValueError)
-    assert str(got[0]) == "distributed: planning failed on rank(s) [1]; see their error"
-
-
 def test_a_nested_exception_class_is_rebuilt_as_itself():
     got = comm._rebuilt(__name__, "_Outer.Failure", "it broke", " (where)")
     assert type(got) is _Outer.Failure and str(got) == "it broke (where)"

@@ -222,22 +222,16 @@ def test_mse_select_fake_best_has_err_dtype():
     assert idx.dtype == torch.int64 and best.dtype == torch.float32
 
 
-def test_mse_select_extension_rows_skip_the_global_rule():
-    """The global rule (patience 1) stops after grid row 1; extension row 2 still runs."""
+@pytest.mark.parametrize(("per_unit", "want"), [(False, ([2], [1.0])), (True, ([0], [5.0]))])
+def test_mse_select_extension_rows_skip_the_global_rule_but_keep_the_per_unit_one(per_unit,
+                                                                                  want):
+    """Grid rows 0-1, extension row 2, patience 1: the global rule stops after row 1, yet the
+    extension row still runs; a unit its own rule stopped after row 1 tries no extension row."""
     err = torch.tensor([[5.0], [6.0], [1.0]], dtype=torch.float64)
     same = torch.zeros(3, 1, dtype=torch.bool)
     idx, best = ops.mse_select(err, same, torch.tensor([10.0], dtype=torch.float64), 2, 1,
-                               False, True, False)
-    assert idx.tolist() == [2] and best.tolist() == [1.0]
-
-
-def test_mse_select_extension_rows_keep_the_per_unit_rule():
-    """The unit stopped by its own rule after row 1 (patience 1) tries no extension row."""
-    err = torch.tensor([[5.0], [6.0], [1.0]], dtype=torch.float64)
-    same = torch.zeros(3, 1, dtype=torch.bool)
-    idx, best = ops.mse_select(err, same, torch.tensor([10.0], dtype=torch.float64), 2, 1,
-                               True, True, False)
-    assert idx.tolist() == [0] and best.tolist() == [5.0]
+                               per_unit, True, False)
+    assert (idx.tolist(), best.tolist()) == want
 
 
 def _one_select(errs, incumbent, patience, per_unit, use_global, same=None):
