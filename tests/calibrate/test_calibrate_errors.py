@@ -146,6 +146,8 @@ def test_a_recipe_file_reads_a_string_as_one_pattern_as_recipe_does():
     (lambda: _weight_rule(5), r"Rule\.targets must be a pattern string or a list"),
     (lambda: _weight_rule(None), r"Rule\.targets must name at least one"),
     (lambda: _recipe(split=3), r"Recipe\.split must be a pattern string or a list"),
+    (lambda: _weight_rule({"Linear": 1}), r"Rule\.targets must be a pattern string .*'Linear'"),
+    (lambda: _recipe(ignore={"lm_head": True}), r"Recipe\.ignore must be a pattern string"),
     (lambda: _recipe(fuse=[("*.q_proj", nn.Linear)]), r"Recipe\.fuse groups must hold"),
 ])
 def test_targets_and_ignore_must_be_strings(make, said):

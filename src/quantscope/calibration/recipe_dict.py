@@ -108,12 +108,14 @@ def _regex(expr: str) -> re.Pattern:
 
 def patterns(owner: str, value) -> tuple[str, ...]:
     """``value`` as a tuple of module name patterns: a string is one pattern, None none; a
-    ``re:`` pattern that does not compile is a ValueError naming ``owner`` and it."""
+    mapping, or a ``re:`` pattern that does not compile, is a ValueError naming ``owner``."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
     try:
+        if isinstance(value, Mapping):  # its keys would be read as the patterns, silently
+            raise TypeError
         value = tuple(value)
     except TypeError:
         raise ValueError(f"{owner} must be a pattern string or a list of them, got "
