@@ -74,13 +74,16 @@ def quant_method(config) -> str | None:
 
 
 def block_structure(who: str, value) -> tuple[int, int]:
-    """A ``QuantizationArgs`` ``block_structure`` as ``(rows, cols)``: ``[rows, cols]``, or
-    older compressed-tensors' ``"128x128"`` (which it reads as that list); ValueError else."""
+    """A ``QuantizationArgs`` ``block_structure`` as ``(rows, cols)``: ``[rows, cols]`` of
+    positive ints, or older compressed-tensors' ``"128x128"`` (which it reads as that list);
+    ValueError else, as compressed-tensors (``[128.5, 128]`` is no block of 128 rows)."""
     try:
         if isinstance(value, str):
             value = [int(v) for v in value.lower().split("x")]
-        rows, cols = (int(v) for v in value)
+        rows, cols = value
+        if not all(isinstance(v, (int, np.integer)) and v > 0 for v in (rows, cols)):
+            raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"{who}: strategy block needs block_structure [rows, cols], got "
-                         f"{value!r}") from None
-    return rows, cols
+        raise ValueError(f"{who}: strategy block needs block_structure [rows, cols] (positive "
+                         f"ints), got {value!r}") from None
+    return int(rows), int(cols)

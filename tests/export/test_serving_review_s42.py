@@ -1,6 +1,7 @@
 """The serving checks read compressed-tensors' args as compressed-tensors does: a field left
 out takes its default (``symmetric`` True), and ``block_structure`` comes in either form
-(``[128, 128]``, or older compressed-tensors' ``"128x128"``)."""
+(``[128, 128]``, or older compressed-tensors' ``"128x128"``) and is read only where
+compressed-tensors takes it (two positive ints)."""
 
 import pytest
 
@@ -26,8 +27,9 @@ def test_block_structure_in_either_form(form):
     assert serving.scheme_args(weights)["block_structure"] == [128, 64]
 
 
-@pytest.mark.parametrize("bad", [None, "128", "axb", [128], [1, 2, 3]])
-def test_a_block_structure_that_is_none_is_not_read(bad):
+@pytest.mark.parametrize("bad", [None, "128", "axb", [128], [1, 2, 3], [128.5, 64],
+                                 ["128", "64"], [0, 64], [128, -64], "128x0", {"a": 1, "b": 2}])
+def test_a_block_structure_compressed_tensors_refuses_is_not_read(bad):
     weights = {"strategy": "block", "block_structure": bad}
     assert consistency._block_rows(weights) is None
     assert serving.scheme_args(weights)["block_structure"] == bad

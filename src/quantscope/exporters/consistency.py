@@ -108,10 +108,9 @@ def _block_rows(weights: dict) -> int | None:
     if args["strategy"] != "block":
         return None
     try:
-        rows = block_structure("check", args["block_structure"])[0]
+        return block_structure("check", args["block_structure"])[0]
     except ValueError:
         return None
-    return rows if rows > 0 else None
 
 
 def _schemes(qc: dict):
