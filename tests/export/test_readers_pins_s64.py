@@ -61,8 +61,10 @@ def test_the_header_of_an_empty_tensor_is_read(tmp_path):
         "a.weight": [0, 4], "a.bias": [4]}
 
 
-@pytest.mark.parametrize("shape", [[-4], [2, -2], [2.0]])
+@pytest.mark.parametrize("shape", [[-4], [2, -2], [2.0], [True], [2, False]])
 def test_a_header_shape_of_no_natural_numbers_is_refused(tmp_path, shape):
+    """JSON true / false too, as safetensors refuses them ("expected usize"), though Python's
+    bool is an int."""
     header = json.dumps({"a.weight_scale": {"dtype": "F32", "shape": shape,
                                             "data_offsets": [0, 8]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(

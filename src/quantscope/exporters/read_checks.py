@@ -244,7 +244,7 @@ def safetensors_headers(folder, who: str) -> dict[str, tuple[Path, str, list[int
                 continue
             ok = isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and \
                 isinstance(meta.get("shape"), list) and \
-                all(isinstance(d, int) and d >= 0 for d in meta["shape"])
+                all(type(d) is int and d >= 0 for d in meta["shape"])  # JSON true is no size
             if not ok:
                 raise ValueError(f"{who}: {f}: tensor {name!r} has no valid dtype and shape")
             if name in out:  # which copy a runtime loads depends on its index: neither is safe
