@@ -5,6 +5,7 @@ in test_llmcompressor_peers.py."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from unittest import mock
 
@@ -187,9 +188,21 @@ def test_flatten_shapes(strategy, shape, base, out):
     assert tuple(flatten_for_calibration(torch.randn(shape), base, args).shape) == out
 
 
-def test_flatten_refuses_what_llmcompressor_refuses():
-    with pytest.raises(ValueError, match="Token quantization cannot be applied to weights"):
-        flatten_for_calibration(torch.randn(2, 2), "weight", {"strategy": "token"})
+@pytest.mark.parametrize("strategy,base,shape,message", [
+    ("token", "weight", (2, 2), "Token quantization cannot be applied to weights"),
+    ("attn_head", "weight", (4, 8), "Attention head quantization cannot be applied to weights"),
+    ("attn_head", "input", (2, 3, 8),
+     "Attention head quantization cannot be applied to activations"),
+    ("tensor_group", "q", (2, 3, 4, 8), "Group quantization cannot be applied to attention"),
+])
+def test_flatten_refuses_what_llmcompressor_refuses_in_its_words(strategy, base, shape, message):
+    """llm-compressor 0.14's messages (``observers/helpers.py``), whole: its words for the
+    strategy ("Attention head"; a tensor group is "Group" there), not the enum's."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        flatten_for_calibration(torch.randn(shape), base, {"strategy": strategy, "group_size": 4})
+
+
+def test_flatten_refuses_an_unknown_base_name():
     with pytest.raises(ValueError, match="Unknown quantization base name"):
         flatten_for_calibration(torch.randn(2, 2), "bias", {"strategy": "tensor"})
 

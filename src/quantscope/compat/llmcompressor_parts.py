@@ -48,13 +48,15 @@ def flatten_for_calibration(value: torch.Tensor, base_name: str, args) -> torch.
     view = kinds[base_name](value, strategy, args)
     if view is None:
         what = {"weight": "weights", "input": "activations", "output": "activations"}
-        raise ValueError(f"{strategy.replace('_', ' ').capitalize()} quantization cannot be "
-                         f"applied to {what.get(base_name, 'attention')}"
+        raise ValueError(f"{_WORDS.get(strategy, strategy.capitalize())} quantization cannot "
+                         f"be applied to {what.get(base_name, 'attention')}"
                          if strategy in _STRATEGIES else f"Unknown strategy {strategy}")
     return view
 
 
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
+#: llm-compressor's words for a strategy in its messages (a tensor group is a group there)
+_WORDS = {"attn_head": "Attention head", "tensor_group": "Group"}
 
 
 def _weight_view(value, strategy, args):
