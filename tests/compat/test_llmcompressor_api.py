@@ -194,6 +194,8 @@ def test_flatten_shapes(strategy, shape, base, out):
     ("attn_head", "input", (2, 3, 8),
      "Attention head quantization cannot be applied to activations"),
     ("tensor_group", "q", (2, 3, 4, 8), "Group quantization cannot be applied to attention"),
+    ("channel", "q", (2, 3, 4, 8), "Channel quantization cannot be applied to attention"),
+    ("block", "v", (2, 3, 4, 8), "Block quantization cannot be applied to attention"),
 ])
 def test_flatten_refuses_what_llmcompressor_refuses_in_its_words(strategy, base, shape, message):
     """llm-compressor 0.14's messages (``observers/helpers.py``), whole: its words for the
