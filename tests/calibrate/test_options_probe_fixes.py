@@ -77,7 +77,7 @@ def test_a_candidate_named_in_two_cases_runs_once():
 
     assert candidates_for("input", ("mse", "MSE", "minmax", "Mse")) == ["mse", "minmax"]
     assert candidates_for("weight", ("MSE", "memoryless_mse", "MINMAX")) == [
-        "memoryless_MSE", "memoryless_MINMAX"]  # the first spelling kept
+        "memoryless_mse", "memoryless_minmax"]  # spelt as registered
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     batches = [torch.randn(4, 16) for _ in range(3)]
@@ -86,6 +86,26 @@ def test_a_candidate_named_in_two_cases_runs_once():
              for names in (("mse", "MSE", "Mse"), ("mse",))]
     assert list(infos[0]["scores"]) == ["mse"] and infos[0]["scores"] == infos[1]["scores"]
     assert infos[0]["score_forwards"] == infos[1]["score_forwards"]
+
+
+def test_imatrix_mse_in_any_case_weighs_by_importance():
+    """"IMATRIX_MSE" (a Role's observer, an auto candidate) is the registry's "imatrix_mse",
+    which waits for its layer's input importance: it was compared by its spelling, so in
+    another case it searched unweighted, as plain MSE, without a word."""
+    from quantscope.calibration import Recipe, Role, Rule
+    from quantscope.calibration.run.observe import candidates_for
+    from quantscope.spec import QuantSpec
+
+    assert Role(QuantSpec("int4", "group:16"), "IMATRIX_MSE").observer == "imatrix_mse"
+    assert candidates_for("weight", ("IMATRIX_MSE", "Imatrix_Mse")) == ["imatrix_mse"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    batches = [torch.randn(4, 64) * torch.linspace(0.1, 5, 64) for _ in range(3)]
+    scales = [calibrate(model, batches, Recipe(Rule("Linear", weight=Role(
+        QuantSpec("int4", "group:16"), name))), progress=False).states["0"]["weight"]
+        .qparams.scale for name in ("imatrix_mse", "IMATRIX_MSE", "memoryless_mse")]
+    assert torch.equal(scales[0], scales[1])
+    assert not torch.equal(scales[1], scales[2])  # the importance weighed
 
 
 def test_auto_among_the_candidates_is_read_in_any_case():

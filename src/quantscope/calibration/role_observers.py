@@ -18,9 +18,14 @@ AUTO = "auto"
 
 
 def folded(observer):
-    """``observer`` with ``auto`` in any case spelt :data:`AUTO`, as the registry reads the
-    other names in any case (every ``== AUTO`` test downstream compares that spelling)."""
-    return AUTO if isinstance(observer, str) and observer.lower() == AUTO else observer
+    """``observer`` in one spelling: ``auto`` in any case :data:`AUTO`, a registry name (read
+    in any case) as registered, so that the names compared downstream (``== AUTO``,
+    ``"imatrix_mse"``, one observer per name) are the same for ``"MSE"`` and ``"mse"``."""
+    if not isinstance(observer, str) or observer.lower() == AUTO:
+        return AUTO if isinstance(observer, str) else observer
+    from ..observers.registry import registered_name
+
+    return registered_name(observer)
 
 
 def weight_observer(name: str) -> str:

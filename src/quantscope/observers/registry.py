@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 __all__ = ["OBSERVER_MODULES", "get_observer", "list_observers", "observer_class", "register",
-           "register_module"]
+           "register_module", "registered_name"]
 
 _REGISTRY: dict[str, type] = {}  # lower-case name -> class
 _DISPLAY: dict[str, str] = {}  # lower-case name -> the name as registered
@@ -85,6 +85,13 @@ def observer_class(name: str) -> type:
     except KeyError:
         raise ValueError(f"get_observer: unknown observer {name!r}; known: "
                          f"{', '.join(list_observers())}") from None
+
+
+def registered_name(name: str) -> str:
+    """``name`` spelt as registered (``"IMATRIX_MSE"`` is ``"imatrix_mse"``), or as given where
+    no class is registered under it (its error comes where the observer is made)."""
+    _load_all()
+    return _DISPLAY.get(name.lower(), name)
 
 
 def get_observer(name: str, spec=None, **options):

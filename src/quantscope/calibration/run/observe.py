@@ -91,7 +91,8 @@ def candidates_for(role: str, candidates) -> list[str]:
     names = list(DEFAULT_CANDIDATES if candidates is None else candidates)
     out = {}  # by the name in lower case, the registry's key: "MSE" is "mse", run once
     for n in names:
-        if folded(n) == AUTO:  # (any case, as the registry reads the others)
+        n = folded(n)  # as registered: "IMATRIX_MSE" waits for importance as "imatrix_mse"
+        if n == AUTO:
             continue
         try:
             observer_class(n)
