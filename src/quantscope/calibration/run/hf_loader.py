@@ -106,7 +106,7 @@ def load_config(path, who: str = "load", trust_remote_code: bool = False):
     try:
         return transformers.AutoConfig.from_pretrained(os.fspath(path),
                                                        trust_remote_code=trust_remote_code)
-    except OSError:  # no config.json: transformers names the folder
+    except OSError:  # a file transformers could not open, named (callers check config.json)
         raise
     except Exception as e:  # noqa: BLE001 -- a damaged config fails deep in transformers
         # (a ValueError on a null model_type that names no file, a KeyError ...)
@@ -123,7 +123,7 @@ def load_tokenizer(path, who: str = "load", trust_remote_code: bool = False, **k
     try:
         return transformers.AutoTokenizer.from_pretrained(
             os.fspath(path), trust_remote_code=trust_remote_code, **kwargs)
-    except OSError:  # a missing file: transformers names it
+    except OSError:  # a file transformers could not open: it names it
         raise
     except Exception as e:  # noqa: BLE001 -- a damaged tokenizer.json fails in the tokenizers
         # library ("expected , or } at line 1 column 888"), naming no file
