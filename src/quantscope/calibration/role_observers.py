@@ -21,8 +21,10 @@ def folded(observer):
     """``observer`` in one spelling: ``auto`` in any case :data:`AUTO`, a registry name (read
     in any case) as registered, so that the names compared downstream (``== AUTO``,
     ``"imatrix_mse"``, one observer per name) are the same for ``"MSE"`` and ``"mse"``."""
-    if not isinstance(observer, str) or observer.lower() == AUTO:
-        return AUTO if isinstance(observer, str) else observer
+    if not isinstance(observer, str):
+        return observer  # refused where it is read
+    if observer.lower() == AUTO:
+        return AUTO
     from ..observers.registry import registered_name
 
     return registered_name(observer)
