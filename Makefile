@@ -64,6 +64,8 @@ PEER_TESTS := tests/compat/test_compat_minmax.py tests/compat/test_histogram_com
 	tests/integrations/test_llmc_plugin_messages.py \
 	tests/integrations/test_llmc_plugin_s55.py \
 	tests/integrations/test_llmc_plugin_pickle.py \
+	tests/integrations/test_llmc_plugin_histogram_sync.py \
+	tests/integrations/test_llmc_plugin_pins_s68.py \
 	tests/calibrate/test_scheme_observers.py \
 	tests/bench/test_gpu_rows_peers.py
 

@@ -241,8 +241,7 @@ class QuantscopeObserver(Observer):
         self.delete_statistics(check_fused=False)
 
     def _current_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # quantscope's range, shaped and typed as llm-compressor's min_vals / max_vals
-        # (see range_dtype)
+        # quantscope's range, shaped and typed as llm-compressor's min_vals (see range_dtype)
         if self._range is None:
             dtype = range_dtype(self.args, self._dtype)
             if self._on_meta:
@@ -388,10 +387,12 @@ def units_spec(args, base_name: str):
     return spec.replace(layout=Channel(0), scale="fp32" if spec.scale.is_block else spec.scale)
 
 
-def _reduce_ops(plan: dict) -> dict:
-    """quantscope's reduction of min_vals / max_vals as torch.distributed ops."""
-    return {name: getattr(dist.ReduceOp, plan[name].name) for name in ("min_vals", "max_vals")
-            if name in plan and hasattr(dist.ReduceOp, plan[name].name)}
+def _reduce_ops(plan) -> dict:
+    """quantscope's reduction of min_vals / max_vals (``plan``: a ``sync_plan()``, a dict or
+    the histograms' list of ``(buffer, Op)`` pairs and custom syncs) as torch.distributed ops."""
+    ops = dict(plan) if isinstance(plan, dict) else dict(p for p in plan if isinstance(p, tuple))
+    return {name: getattr(dist.ReduceOp, ops[name].name) for name in ("min_vals", "max_vals")
+            if name in ops and hasattr(dist.ReduceOp, ops[name].name)}
 
 
 class QuantscopeIMatrixObserver(IMatrixMixin, Observer):
