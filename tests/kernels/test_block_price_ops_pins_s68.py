@@ -44,52 +44,40 @@ def _call(op, args, weights=None, ext_start=2):
 BLOCK_OPS = ["nvfp4_mse", "nvfp4_search", "mx_mse"]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", BLOCK_OPS)
-def test_block_searches_refuse_3d_units(device, op):
-    args = _block_args(device)
-    args[0] = args[0].reshape(3, 4, 4)
-    with pytest.raises(ValueError, match=rf"quantscope::{op}: units must be a 2-D"):
-        _call(op, args)
+def _bad_units(a, d):
+    a[0] = a[0].reshape(3, 4, 4)
+
+
+def _bad_inc_hi(a, d):
+    a[5] = torch.ones(2, device=d)
+
+
+def _float64_factors(a, d):
+    a[3] = a[3].double()
+
+
+def _factors_elsewhere(a, d):
+    a[3] = torch.linspace(1.0, 0.7, 4, device=OTHER[d])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", BLOCK_OPS)
-def test_block_searches_refuse_an_incumbent_hi_not_one_per_unit(device, op):
-    args = _block_args(device)
-    args[5] = torch.ones(2, device=device)
-    with pytest.raises(ValueError, match=rf"quantscope::{op}: inc_hi must be a float32 tensor "
-                                         r"of shape \(3,\)"):
-        _call(op, args)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", BLOCK_OPS)
-def test_block_searches_refuse_float64_factors(device, op):
-    args = _block_args(device)
-    args[3] = args[3].double()
-    with pytest.raises(ValueError, match=rf"quantscope::{op}: factors must be a non-empty 1-D "
-                                         "float32"):
-        _call(op, args)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", BLOCK_OPS)
-def test_block_searches_refuse_factors_on_another_device(device, op):
-    args = _block_args(device)
-    args[3] = torch.linspace(1.0, 0.7, 4, device=OTHER[device])
-    with pytest.raises(ValueError, match=rf"quantscope::{op}: factors must be a non-empty 1-D "
-                                         rf"float32 tensor on {device}"):
-        _call(op, args)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", BLOCK_OPS)
-def test_block_searches_refuse_weights_on_another_device(device, op):
-    args = _block_args(device)
-    weights = torch.ones(3, 16, device=OTHER[device])
-    with pytest.raises(ValueError, match=rf"quantscope::{op}: weights must be None or a float32 "
-                                         rf"\(3, 16\) tensor on {device}"):
+@pytest.mark.parametrize(("spoil", "said"), [
+    (_bad_units, "units must be a 2-D"),
+    (_bad_inc_hi, r"inc_hi must be a float32 tensor of shape \(3,\)"),
+    (_float64_factors, "factors must be a non-empty 1-D float32"),
+    (_factors_elsewhere, "factors must be a non-empty 1-D float32 tensor on {device}"),
+    (None, r"weights must be None or a float32 \(3, 16\) tensor on {device}"),
+], ids=["3d-units", "inc_hi-shape", "float64-factors", "factors-device", "weights-device"])
+def test_block_searches_refuse_bad_arguments_naming_them(device, op, spoil, said):
+    """The CPU and fake implementations refuse alike, naming the op and the argument
+    (``None``: weights on another device than the units)."""
+    args, weights = _block_args(device), None
+    if spoil is None:
+        weights = torch.ones(3, 16, device=OTHER[device])
+    else:
+        spoil(args, device)
+    with pytest.raises(ValueError, match=rf"quantscope::{op}: " + said.format(device=device)):
         _call(op, args, weights)
 
 
