@@ -56,8 +56,8 @@ How it fits llm-compressor's observer contract (llm-compressor 0.14):
 
 The classes follow llm-compressor 0.14's ``Observer`` contract as its own observer tests
 exercise it: integer tensors are observed (as float32); ``min_vals`` / ``max_vals`` may be
-assigned (then they are what ``get_qparams`` and ``sync_activation_stats`` use, reduced as
-llm-compressor reduces its own) and a read is never written in place afterwards; MSE
+assigned (then they are what ``get_qparams`` and ``sync_activation_stats`` use, reduced by
+the observer's ``sync_plan``, docs/guide/pipelines.md) and a read is not changed later; MSE
 observers keep ``triton_error_buffer`` and refuse ``expand < 1`` with llm-compressor's
 message. ``quantscope_imatrix_mse`` is :class:`QuantscopeIMatrixObserver`: llm-compressor's
 ``imatrix_mse`` contract (``attach`` hook, options, checks, ``strict``) with quantscope's
