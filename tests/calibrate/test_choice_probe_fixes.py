@@ -8,6 +8,7 @@ import torch
 import quantscope
 from quantscope.calibration import Calibration
 from quantscope.calibration.choice.auto import _divergence
+from quantscope.calibration.choice.loss_checks import finite
 from quantscope.calibration.choice.sensitivity import keep_float, layer_sensitivity
 
 
@@ -74,3 +75,15 @@ def test_calibrations_compare_without_error(ranked):
         "recipe", "states", "label", "stats", "histograms", "info", "smoothing")})
     assert (copy == calib) is False  # identity (no tensor truth value); quantizes_like compares
     assert copy.quantizes_like(calib)
+
+
+@pytest.mark.parametrize("value,want", [(complex(1.0, 2.0), True),
+                                        (complex(float("nan"), 0.0), False)],
+                         ids=["finite", "nan"])
+def test_a_complex_output_is_judged_with_and_without_logits(value, want):
+    """``finite`` judges complex tensors (auto checks a model's output so, before a user's
+    ``loss``): with ``logits`` (-inf allowed in real logits) it raised torch's "isposinf does
+    not support complex inputs" instead of answering as it does without."""
+    out = torch.tensor([value])
+    assert finite(out) is want
+    assert finite(out, logits=True) is want

@@ -37,9 +37,9 @@ def scalar(who: str, what: str, value, where: str = "", graph: bool = False) -> 
 
 def finite(value, logits: bool = False) -> bool:
     """Whether every floating tensor of ``value`` (a batch, an output) is finite; ``logits``:
-    -inf allowed (a banned token's logit: probability 0)."""
+    -inf allowed (a banned token's logit: probability 0) in a real tensor, not a complex one."""
     def ok(t):
-        return ~(t.isnan() | t.isposinf()) if logits else torch.isfinite(t)
+        return ~(t.isnan() | t.isposinf()) if logits and not t.is_complex() else t.isfinite()
     return all(bool(ok(t).all()) for t in tensors_in(value)
                if t.is_floating_point() or t.is_complex())
 
