@@ -337,3 +337,18 @@ def test_triton_mx_search_never_takes_a_non_finite_candidate(use_global):
             want[0].tolist() == [-1] * x.shape[0]
         assert torch.equal(got[0].cpu(), want[0].cpu())
         torch.testing.assert_close(got[1].cpu(), want[1].cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("given", ["lo", "hi"])
+def test_a_given_end_is_searched_from_and_the_other_computed(given):
+    """``lo`` / ``hi`` None: computed, each on its own; a given one is kept (it was dropped
+    for the units' own min / max when the other end was None)."""
+    units = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    lo, hi = unit_minmax(units)
+    spec = QuantSpec("int4", symmetric=False)
+    ends = {"lo": lo * 0.5, "hi": hi} if given == "lo" else {"lo": lo, "hi": hi * 0.5}
+    one = {**ends, ("hi" if given == "lo" else "lo"): None}
+    want, got = mse_search(units, spec=spec, **ends), mse_search(units, spec=spec, **one)
+    assert torch.equal(got.lo, want.lo) and torch.equal(got.hi, want.hi)
+    full = mse_search(units, None, None, spec)  # both computed: another range
+    assert not (torch.equal(got.lo, full.lo) and torch.equal(got.hi, full.hi))

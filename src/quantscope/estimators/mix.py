@@ -57,15 +57,15 @@ def mix_range(hist: Hist, spec: QuantSpec, *, lo: torch.Tensor | None = None,
               candidates=MIX_CANDIDATES, convention: str = "center",
               start_bin: int = 128, return_choice: bool = False, global_amax=None):
     """Per-unit ``(lo, hi)`` of the best candidate; ``lo``, ``hi`` are the data's min / max
-    (default: the occupied bins' edges). With ``return_choice`` also the index ``[U]``
+    (each by default the occupied bins' edge). With ``return_choice`` also the index ``[U]``
     of the winner in the candidate list (percentiles first, then the others in order).
     ``global_amax``: a global-scale spec's tensor-wide ``max |x|`` the candidates are scored
     under (default: ``lo``, ``hi``'s)."""
     candidates, percentiles = check_options(candidates=candidates, percentiles=percentiles,
                                             convention=convention)
     return_choice = check_bool("mix", "return_choice", return_choice)
-    if lo is None or hi is None:
-        lo, hi = occupied_range(hist)
+    if lo is None or hi is None:  # an end not given is the occupied bins', a given one is kept
+        lo, hi = (e if v is None else v for v, e in zip((lo, hi), occupied_range(hist)))
     if global_amax is None:
         global_amax = tensor_amax(spec, lo, hi)
     los, his = [], []

@@ -155,8 +155,8 @@ def _check(units, lo, hi, spec, norm):
     check_number("mse_search", "norm", norm, 0.0, lo_open=True)
     # contiguous: the torch tiles' float32 sums follow the memory order, the kernels copy
     units = units.float().contiguous()
-    if lo is None or hi is None:
-        lo, hi = unit_minmax(units)
+    if lo is None or hi is None:  # an end not given is the units' own, a given one is kept
+        lo, hi = (m if v is None else v for v, m in zip((lo, hi), unit_minmax(units)))
     lo = torch.as_tensor(lo, dtype=torch.float32, device=units.device).reshape(-1)
     hi = torch.as_tensor(hi, dtype=torch.float32, device=units.device).reshape(-1)
     if lo.numel() != units.shape[0] or hi.numel() != units.shape[0]:
