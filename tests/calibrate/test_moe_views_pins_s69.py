@@ -3,7 +3,10 @@
 the per-expert views and the routed forward, the shrink toward the pooled range and
 ``unreached``. Each test holds a behaviour that a mutation round over those two files found
 no existing test held, checked on small modules against the modules' docstrings and
-docs/runtime-fusion.md."""
+docs/runtime-fusion.md; the routed forward's against transformers' eager experts loop
+(``integrations/moe.py``: gate, or the activation alone where ungated, then the down
+projection and the routing weight; an expert's tokens in ``torch.where``'s order over its
+``[k, token]`` mask)."""
 
 import pytest
 import torch
@@ -183,3 +186,58 @@ def test_view_weight_reads_only_an_existing_experts_view(layer, found):
     model = _Holder3d()
     got = expert_views.view_weight(model, layer)
     assert torch.equal(got, model.experts.down_proj.data[2]) if found else got is None
+
+
+IDX = torch.tensor([[0, 2], [1, 0], [2, 1]])
+
+
+def _routed(mod, gate):
+    """``mod``'s routed forward on 3 tokens through ``attach``, and transformers' eager sum
+    ``sum_k w[t, k] * down_e(gate(gate_up_e(x_t)))`` for it."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, H, generator=g), torch.rand(3, 2, generator=g)
+    up = mod.gate_up_proj if hasattr(mod, "gate_up_proj") else mod.up_proj
+    with torch.no_grad():
+        want = torch.stack([sum(w[t, k] * (gate(x[t] @ up[e].t()) @ mod.down_proj[e].t())
+                                for k, e in enumerate(IDX[t].tolist())) for t in range(3)])
+        with moe.attach(mod):
+            got = mod(x, IDX, w)
+    return got, want
+
+
+class _OwnGate(_Silu3d):
+    """Gate and up rows interleaved (gpt-oss), split by the module's own ``_apply_gate``."""
+
+    def _apply_gate(self, h):
+        return F.silu(h[..., ::2]) * h[..., 1::2]
+
+
+def test_the_routed_forward_gates_through_the_modules_own_apply_gate():
+    got, want = _routed(_OwnGate(), lambda h: F.silu(h[..., ::2]) * h[..., 1::2])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+class _UngatedRelu(_Ungated):
+    """Ungated experts: a 3-D ``up_proj`` and ``act_fn`` alone between it and ``down_proj``."""
+
+    act_fn = staticmethod(F.relu)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+def test_the_routed_forward_of_ungated_experts_applies_act_fn_alone():
+    got, want = _routed(_UngatedRelu(), F.relu)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_an_experts_view_sees_its_tokens_in_the_order_of_their_k_position():
+    """transformers: ``torch.where(one_hot(idx).permute(2, 1, 0)[e])``: k position, then token.
+    Expert 0 is token 1's first choice and token 0's second: it sees token 1, then token 0."""
+    mod, seen = _Silu3d(), []
+    x = torch.arange(2 * H, dtype=torch.float32).reshape(2, H)
+    with moe.attach(mod):
+        mod._modules["0"].gate_up_proj.register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].clone()))
+        mod(x, torch.tensor([[1, 0], [0, 2]]), torch.ones(2, 2))
+    assert torch.equal(seen[0], x[[1, 0]])
