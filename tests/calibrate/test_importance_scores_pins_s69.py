@@ -2,12 +2,14 @@
 ``output_sensitivity``, ``score_set``): how :class:`InputImportance` counts rows (1-D
 inputs, float64 sums, only inside ``counting``, its hooks gone after ``means``), what
 ``imatrix_config`` keeps of its base and which rows ``imatrix_rows`` gives, the ranking's
-metric name and counts, and how the scoring set counts tokens and cuts its batches and
-pieces. Behaviour no earlier test held; expected values come from the docstrings, not the
+metric name, counts, row numbers and refusals (no tensor of the roles asked, no
+Calibration), which tied weights it lists, and how the scoring set counts tokens and cuts
+its batches and pieces. Behaviour no earlier test held; expected values come from the docstrings, not the
 code."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -231,3 +233,50 @@ def test_the_second_piece_is_the_rest_of_the_rows():
     batch = {"input_ids": torch.arange(8).reshape(4, 2)}
     assert piece_of(batch, 1, 4)["input_ids"].tolist() == [[2, 3], [4, 5], [6, 7]]
     assert piece_of(batch, 0, 4) is batch
+
+
+def test_the_ranks_count_from_one():
+    sens = measure(*_mlp())
+    assert [r["rank"] for r in sens.rows] == list(range(1, len(sens.rows) + 1))
+
+
+def test_a_calibration_of_no_tensor_of_the_roles_is_refused():
+    with pytest.raises(ValueError, match=r"quantizes no tensor of roles \('output',\)"):
+        measure(*_mlp(), roles=("output",))
+
+
+def test_what_is_no_calibration_is_a_type_error():
+    model, xs, _ = _mlp()
+    with pytest.raises(TypeError, match="calibration must be a Calibration, got str"):
+        measure(model, xs, "w8a8")
+
+
+def _tied_pair(recipe):
+    """Two Linear layers holding one weight, calibrated by ``recipe``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).eval()
+    model[2].weight = model[0].weight
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, xs, quantscope.calibrate(model, xs, recipe, progress=False)
+
+
+def test_a_ranking_of_inputs_lists_no_tied_weight():
+    model, xs, cal = _tied_pair("w8a8")
+    assert measure(model, xs, cal).info["tied"] == [["0", "2"]]
+    assert measure(model, xs, cal, roles=("input",)).info["tied"] == []
+
+
+def test_a_holder_with_no_weight_state_is_left_out_of_the_tied():
+    w8a8 = preset("w8a8").rules[0]
+    recipe = Recipe((Rule(("2",), input=w8a8.input),
+                     Rule(("0",), weight=w8a8.weight, input=w8a8.input)))
+    model, xs, cal = _tied_pair(recipe)
+    assert set(cal.states["2"]) == {"input"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # apply() names the uncovered holder
+        sens = measure(model, xs, cal)
+    assert sens.info["tied"] == []
+    assert {(r["layer"], r["role"]) for r in sens.rows} == {
+        ("0", "weight"), ("0", "input"), ("2", "input")}
