@@ -148,13 +148,6 @@ def test_a_split_nvfp4_state_gives_each_member_its_own_global_scale():
 
 
 # ------------------------------------------------------------------------------ tied
-def _linears_over(*weights):
-    model = nn.ModuleDict({f"l{i}": nn.Linear(H, H) for i in range(len(weights))})
-    for i, w in enumerate(weights):
-        model[f"l{i}"].weight = nn.Parameter(w)
-    return model
-
-
 def test_uninitialized_lazy_weights_are_never_tied():
     model = nn.ModuleDict({"a": nn.LazyLinear(H), "b": nn.LazyLinear(H)})
     assert tied.tied_weights(model, ["a", "b"]) == {}

@@ -1,12 +1,11 @@
 """Pins of the demo models' helpers (the batching of documents, the pooled embeddings, the
 correlations, the next-token log-probabilities, the cache folder and the decoder's lookup),
-of ``_oplib``'s refusal of inputs that require grad, its device guard and ``never_traced``,
-of ``_plainchecks``' readings of a config and of a block structure, and of ``_versions``'
-minimum check: behaviours that a mutation round (s69) found no test failing on when they were
+of ``_oplib``'s refusal of inputs that require grad and ``never_traced`` (the pin of its
+device guard is in tests/kernels/test_device_guard.py), of ``_plainchecks``' readings of a
+config and of a block structure, and of ``_versions``' minimum check: behaviours that a mutation round (s69) found no test failing on when they were
 read otherwise. The models are stand-in modules and the tokenizer a character-level stand-in:
 nothing is loaded."""
 
-import contextlib
 import importlib.machinery
 import importlib.util
 import math
@@ -211,35 +210,6 @@ def test_a_later_tensor_of_a_list_that_requires_grad_is_refused():
         kernel(*args)
     with torch.no_grad():
         assert kernel(*args) == 0
-
-
-@pytest.fixture
-def switches(monkeypatch):
-    entered = []
-
-    @contextlib.contextmanager
-    def device(d):
-        entered.append(torch.device(d).index)
-        yield
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", device)
-    return entered
-
-
-@pytest.mark.parametrize("devices, expect", [
-    (("cuda:0", "cuda:1"), []),  # the first tensor is on the current device: no switch
-    (("cpu", "cuda:1"), []),  # the first tensor's device has no index: no switch
-    ((None, "cuda:2"), [2]),  # an empty list first: the next tensor decides
-], ids=["first-current", "first-cpu", "empty-list-first"])
-def test_the_first_tensor_decides_the_device(switches, devices, expect):
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    wrapped = _oplib.on_tensors_device(lambda *a: len(a))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        args = [[] if d is None else torch.empty(1, device=d) for d in devices]
-        assert wrapped(*args) == 2
-    assert switches == expect
 
 
 def test_never_traced_builds_nothing_when_called_eagerly(monkeypatch):

@@ -55,6 +55,19 @@ def test_tensor_lists_and_leading_scalars(switches):
     assert switches == [2]
 
 
+@pytest.mark.parametrize("devices, expect", [
+    (("cuda:0", "cuda:1"), []),  # the first tensor is on the current device: no switch
+    (("cpu", "cuda:1"), []),  # the first tensor's device has no index: no switch
+    ((None, "cuda:2"), [2]),  # an empty list first: the next tensor decides
+], ids=["first-current", "first-cpu", "empty-list-first"])
+def test_the_first_tensor_decides_the_device(switches, devices, expect):
+    wrapped = _oplib.on_tensors_device(lambda *a: len(a))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [[] if d is None else torch.empty(1, device=d) for d in devices]
+        assert wrapped(*args) == 2
+    assert switches == expect
+
+
 def test_no_tensor_no_switch(switches):
     wrapped, _ = _seen(lambda n: n + 1)
     assert wrapped(1) == 2
