@@ -99,6 +99,33 @@ def test_auto_refuses_documents_with_no_real_token_at_all(runtime):
                   progress=False, runtime=runtime)
 
 
+def _embedding_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.ReLU(),
+                         nn.Linear(32, 64)).eval()
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, lambda t: {"input": t}], ids=["tensor", "dict"])
+def test_a_batch_of_zero_rows_of_token_ids_holds_no_token(wrap):
+    """Token ids of 0 rows hold no token, as a mask all 0 (they counted one, so the piece was
+    scored and the output's summary of 0 rows raised a reshape error): left out of the score,
+    and refused by name where every batch is one."""
+    g = torch.Generator().manual_seed(1)
+    ids, empty = torch.randint(0, 64, (4, 12), generator=g), torch.zeros(0, 12, dtype=int)
+    auto = calibrate(_embedding_mlp(), [wrap(ids), wrap(empty)], "w8a8", observer="auto",
+                     auto=Auto(candidates=NAMES), progress=False)
+    assert auto.info["auto"]["score_tokens"] == 48
+    alone = calibrate(_embedding_mlp(), [wrap(ids)], "w8a8", observer="auto",
+                      auto=Auto(candidates=NAMES), progress=False)
+    assert auto.info["auto"]["scores"] == alone.info["auto"]["scores"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # activation roles that saw no token fall back
+        with pytest.raises(ValueError, match=r"^auto: the documents compared hold no real "
+                                             r"token \(batches of 0 rows"):
+            calibrate(_embedding_mlp(), [wrap(empty)], "w8a8", observer="auto",
+                      auto=Auto(candidates=NAMES), progress=False)
+
+
 def test_distributed_auto_outside_a_group_refuses_batches_all_left_out():
     """Every batch brings NaN under non_finite='ignore': Runtime(distributed=True) with no
     process group raises the one-process error, as Runtime() does."""

@@ -84,7 +84,7 @@ def tokens_of(b, per_row: bool = False):
     if not isinstance(t, torch.Tensor):
         return 1
     if not (t.is_floating_point() or t.is_complex()):  # token ids: every entry is a token
-        return max(t.numel(), 1)
+        return t.numel()
     return t.shape[:-1].numel() if t.dim() > 1 else 1  # features: one token per row
 
 
