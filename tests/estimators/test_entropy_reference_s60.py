@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from quantscope.estimators import entropy_amax
-from quantscope.estimators.entropy import entropy_divergences
+from quantscope.estimators.entropy import entropy_divergences, horizon_entropy_amax
 from quantscope.estimators.mix import mix_range
 from quantscope.spec import QuantSpec
 from quantscope.stats.histogram import Hist
@@ -23,6 +23,8 @@ from quantscope.stats.histogram import Hist
 # ------------------------------------------------------------------ TensorRT's loop
 def trt_kl(counts, i: int, nq: int) -> float:
     """KL(P || Q) of threshold bin ``i`` (``counts`` after ``h[0] = h[1]``), as the loop."""
+    if i == 0:  # no bin below it: infinite (documented; the loop's p[-1] fails there)
+        return math.inf
     bins = np.asarray(counts, dtype=np.float64)
     d = np.digitize(range(i), np.linspace(0, i, nq + 1)) - 1
     d[bins[:i] == 0] = -1
@@ -109,6 +111,35 @@ def test_start_bin_equal_to_bins_is_the_one_threshold_at_the_end():
     torch.testing.assert_close(kl[0], torch.tensor([trt_kl(b, 64, 8)], dtype=torch.float64))
     got = entropy_amax(_hist(counts, w), start_bin=64, num_bits=4)
     torch.testing.assert_close(got, ref_entropy_amax(counts, w, start_bin=64, num_bits=4))
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_start_bin_zero_scores_threshold_zero_infinite_on_every_path(backend, dtype):
+    """Threshold 0 holds no count: infinite, on the kernel (int64 counts) and the torch form
+    (float counts, a forced backend, off the CPU), which divided by the threshold (torch's
+    ``ZeroDivisionError``); the other thresholds are the loop's."""
+    c = [5, 3, 0, 1]
+    kl, cand = entropy_divergences(torch.tensor([c], dtype=dtype), num_bits=2, start_bin=0,
+                                   backend=backend)
+    assert cand.tolist() == [0, 1, 2, 3, 4]
+    assert torch.isinf(kl[0, 0])
+    want = [trt_kl([c[1], *c[1:]], i, 2) for i in range(1, 4)]  # h[0] = h[1]
+    assert kl[0, 1:4].tolist() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    h = Hist(torch.tensor([c], dtype=dtype), torch.zeros(1), torch.tensor([4.0]), absolute=True)
+    assert entropy_amax(h, num_bits=2, start_bin=0).tolist() == pytest.approx(
+        ref_entropy_amax([c], 1.0, num_bits=2, start_bin=0).tolist())
+
+
+def test_horizons_kl_refuses_start_bin_zero_by_name():
+    """Horizon's loop fails at threshold 0 (the last bin of none): a named refusal here, not
+    torch's ``ZeroDivisionError``."""
+    h = Hist(torch.ones(1, 300, dtype=torch.long), torch.zeros(1), torch.tensor([300.0]),
+             absolute=True)
+    with pytest.raises(ValueError, match=r"^horizon_entropy: start_bin=0 is a threshold of no "
+                                         r"bin"):
+        horizon_entropy_amax(h, start_bin=0)
+    assert horizon_entropy_amax(h, start_bin=1).shape == (1,)
 
 
 @pytest.mark.parametrize(("smooth", "trim", "count"), [(1, True, 1.0), (3, True, 1.0),

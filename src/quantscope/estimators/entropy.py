@@ -252,7 +252,8 @@ def _group_terms(b, cs, nz, cand, nq):
     # group boundaries ceil(g i / nq), g = 0..nq, for every candidate i: [C, nq + 1]
     g = torch.arange(nq + 1, device=dev)
     bnd = (g[None, :] * cand[:, None] + nq - 1) // nq
-    last_g = (nq * (cand - 1)) // cand  # group of bin i - 1
+    # group of bin i - 1 (threshold 0 has none: group 0 of no bin, scored infinite by ci = 0)
+    last_g = ((nq * (cand - 1)) // cand.clamp(min=1)).clamp(min=0)
     nzn, chg = _runs(b)
     flat = torch.empty(U, C, dtype=torch.bool, device=dev)
     cross = torch.empty(U, C, dtype=torch.float64, device=dev)
@@ -360,6 +361,9 @@ def horizon_entropy_amax(hist: Hist, *, num_bits: int = 8, start_bin: int = 128,
     """
     num_bits, start_bin, stride, smooth = check_options(
         "horizon_entropy", num_bits=num_bits, start_bin=start_bin, stride=stride, smooth=smooth)
+    if start_bin < 1:  # Horizon's loop fails there too (the last bin of none)
+        raise ValueError("horizon_entropy: start_bin=0 is a threshold of no bin; Horizon's KL "
+                         "starts at start_bin >= 1")
     h = fold_abs(hist)
     B = h.counts.shape[1]
     cand = _candidates(start_bin, B, stride, h.counts.device)
