@@ -249,6 +249,16 @@ def test_kl_bins_below_256_is_refused():
     hz.KLObserver(bins=256)
 
 
+def test_kl_start_bin_zero_is_refused_when_made():
+    """Horizon's loop fails at threshold 0 (the last bin of none): refused when the observer is
+    made, not at its first estimate."""
+    with pytest.raises(ValueError, match=r"start_bin must be >= 1 \(threshold 0 holds no "
+                                         r"bin\), got 0") as err:
+        hz.KLObserver(start_bin=0)
+    assert isinstance(err.value, AssertionError)
+    assert hz.KLObserver(start_bin=1).start_bin == 1
+
+
 @pytest.mark.parametrize("shape", ["flat-part", "flat-all", "ramp"])
 def test_kl_search_on_tied_and_edge_histograms_is_horizons(shape):
     # s59's mutants: the windows' count and the last minimum among ties (a flat histogram's

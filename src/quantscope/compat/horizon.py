@@ -394,6 +394,9 @@ class KLObserver(HorizonObserver, AppendingFirstGrid, EntropyObserver):
                          factory_kwargs=factory_kwargs, bins=bins,
                          update_interval=update_interval,
                          averaging_constant=averaging_constant, **kwargs)
+        if self.start_bin < 1:  # refused now, not at the first estimate (horizon_entropy_amax)
+            raise HorizonArgumentError("horizon KLObserver: start_bin must be >= 1 (threshold 0 "
+                                       "holds no bin), got 0")
 
     def _estimate(self, hist):
         amax = horizon_entropy_amax(hist, num_bits=self.num_bits, start_bin=self.start_bin,
