@@ -4,8 +4,11 @@ operator definitions (``Transpose``'s default ``perm`` reverses the axes): which
 weight (a same-shaped tensor of other values is not the weight, a weight ``Transpose`` is one
 that swaps the two axes of an initializer), the static input's full code range at both ends,
 the free names the rewrite takes (the first ``base_n`` clear of every suffix, each given out
-once) and the innermost calibrated module owning a node. Each graph is built by hand: no
-trace."""
+once), the innermost calibrated module owning a node, a Linear's later calls named
+``{layer}.call1``, ``.call2``... (not numbered as a clashing name), a later call's shared weight
+DequantizeLinear keeping the first's ``axis`` and ``block_size``, and a tied weight read under
+its other module's name counted as a read outside the calibrated layer (the last three from a
+second pass over the mutants the first left unrun). Each graph is built by hand: no trace."""
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper
 from test_export_pins_s63 import _role_state
 
-from quantscope import Channel, QuantSpec, Tensor
+from quantscope import Channel, Group, QuantSpec, Tensor
 from quantscope.exporters import onnx_graph
 from quantscope.qparams import QParams
 
@@ -113,3 +116,61 @@ def test_a_node_belongs_to_the_innermost_calibrated_module_it_was_recorded_under
     onnx_graph.insert_qdq(onnx, graph, model, states, False, 21)
     assert {t.name for t in graph.initializer if t.name.endswith(".weight_q")} == {
         "outer.weight_q", "outer.inner.weight_q"}
+
+
+def _linear():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 3))
+    return model
+
+
+def test_a_linears_later_calls_are_named_call1_call2_after_it():
+    """A Linear called more than once: its first call's tensors are named after the layer,
+    the k-th later call's after ``{layer}.call{k}`` (``_free`` numbers ``_1`` a name the
+    graph already holds, not a call)."""
+    model = _linear()
+    nodes = [_node("Gemm", [x, "fc.weight"], y, ["", "fc", "linear"], transB=1)
+             for x, y in (("x", "h"), ("h", "g"), ("g", "y"))]
+    graph = _graph(nodes, {"fc.weight": model.fc.weight}, ["y"])
+    qp = QParams(torch.full((3, 1), 0.01), torch.zeros(3, 1, dtype=torch.int32))
+    states = {"fc": {"weight": _role_state(QuantSpec("int8", Channel(0)), "minmax", qp)}}
+    onnx_graph.insert_qdq(onnx, graph, model, states, False, 21)
+    assert [n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"] == [
+        "fc.weight_dq", "fc.call1.weight_dq", "fc.call2.weight_dq"]
+
+
+def test_a_later_calls_shared_weight_dq_keeps_the_groups_axis_and_block_size():
+    """Beside an 8-bit input a later call's weight DequantizeLinear reads the first call's
+    codes, scale and zero point: its ``axis`` and ``block_size`` must be theirs too (a
+    blocked DequantizeLinear without ``block_size`` is no valid node)."""
+    model = _linear()
+    nodes = [_node("Gemm", [x, "fc.weight"], y, ["", "fc", "linear"], transB=1)
+             for x, y in (("x", "h"), ("h", "y"))]
+    graph = _graph(nodes, {"fc.weight": model.fc.weight}, ["y"])
+    weight = QParams(torch.full((3, 2), 0.01), torch.zeros(3, 2, dtype=torch.int32))
+    act = QParams(torch.tensor(0.01), torch.tensor(0, dtype=torch.int32))
+    states = {"fc": {"weight": _role_state(QuantSpec("int4", Group(2)), "minmax", weight),
+                     "input": _role_state(QuantSpec("int8", Tensor()), "minmax", act)}}
+    onnx_graph.insert_qdq(onnx, graph, model, states, False, 21)
+    first, later = (n for n in graph.node if n.output[0].endswith(".weight_dq"))
+    assert list(later.input) == list(first.input)
+    assert {a.name: a.i for a in later.attribute} == {"axis": 0, "block_size": 2}
+
+
+def test_a_tied_weights_read_under_its_other_name_is_an_outside_read():
+    """torch.onnx may name a tied weight's initializer after any module holding it: a read
+    of ``b.weight`` (the calibrated ``a``'s own weight) by module ``b`` is a read outside
+    ``a``."""
+    ir = pytest.importorskip("onnx_ir")
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(4, 3))
+    model.add_module("b", nn.Linear(4, 3))
+    model.b.weight = model.a.weight
+    nodes = [_node("Gemm", ["x", "b.weight"], "h", ["", "a", "linear"], transB=1),
+             _node("Gemm", ["x", "b.weight"], "y", ["", "b", "linear_1"], transB=1)]
+    proto = helper.make_model(_graph(nodes, {"b.weight": model.a.weight}, ["h", "y"]))
+    states = {"a": {"weight": None}}
+    found = onnx_graph.outside_reads(ir.from_proto(proto).graph, model, states)
+    assert list(found) == ["a"]
+    assert "read outside a (by a Gemm in module 'b')" in found["a"]
