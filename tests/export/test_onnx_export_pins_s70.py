@@ -4,7 +4,10 @@ each checked against the module's docstrings and ONNX Runtime's session options:
 before the trace, a meta tensor and a data file's long name refused up front, the session's
 inter-op threads, AMX counted as an exact int8 kernel, the kernel counts reading no data file,
 the size estimate and protobuf's limit, the folders a model was loaded from, and the defaults
-(opset 21, int8 storage) the export passes on."""
+(opset 21, int8 storage) the export passes on; and, from a second pass over the mutants the
+first left unrun: a weight of another shape than calibrated refused, ONNX Runtime's per-group
+refusal only where weight and static input are both 8-bit, and a biased QDQ MatMul on a 2-D
+input kept an integer kernel (MatMulAddFusion disabled)."""
 
 import types
 
@@ -19,7 +22,7 @@ pytest.importorskip("onnxscript")
 from test_onnx_pins_s65 import _Mlp
 from test_onnx_s38 import _recipe, no_trace  # noqa: F401 (the fixture)
 
-from quantscope import Channel, QuantSpec, calibrate, export
+from quantscope import Channel, Group, QuantSpec, Tensor, calibrate, export
 from quantscope.exporters import onnx as qonnx
 
 
@@ -181,3 +184,46 @@ def test_int8_codes_are_stored_as_int8_by_default(tmp_path, monkeypatch):
     with pytest.raises(_Traced):
         export(calib, model, tmp_path / "m.onnx", format="onnx", example_inputs=x)
     assert seen == [False]
+
+
+def test_a_weight_of_another_shape_than_calibrated_is_refused_as_another_models():
+    model, _, calib = _small()
+    model.a = nn.Linear(16, 32)
+    with pytest.raises(ValueError, match=r"onnx export: a\.weight has shape \(32, 16\), but "
+                                         r"was calibrated with shape \(32, 32\)"):
+        qonnx.check_exportable(calib.states, model)
+
+
+def test_8_bit_weight_groups_with_a_16_bit_static_input_are_not_refused():
+    """ORT runs per-group int8 weights beside a 16-bit input (only 8 + 8 bits fuse)."""
+    roles = {"weight": types.SimpleNamespace(spec=QuantSpec("int8", Group(32))),
+             "input": types.SimpleNamespace(spec=QuantSpec("int16", Tensor()))}
+    qonnx._check_ort_runs("a", roles)
+    roles["input"] = types.SimpleNamespace(spec=QuantSpec("int8", Tensor()))
+    with pytest.raises(ValueError, match=r"onnx export: a: per-group weights"):
+        qonnx._check_ort_runs("a", roles)
+
+
+def test_a_biased_qdq_linear_on_a_2d_input_runs_as_an_integer_kernel(tmp_path):
+    """MatMulAddFusion is off (``DISABLED_OPTIMIZERS``): ORT would otherwise fold a W8A8
+    MatMul and its bias on a 2-D input into a ``Gemm`` before the QDQ fusions and run it in
+    float; with it off the pair runs as an integer kernel."""
+    h, tp = onnx.helper, onnx.TensorProto
+    init = [h.make_tensor("xs", tp.FLOAT, [], [0.05]), h.make_tensor("xz", tp.INT8, [], [0]),
+            h.make_tensor("w", tp.INT8, [32, 16], [(i * 7) % 255 - 127 for i in range(512)]),
+            h.make_tensor("ws", tp.FLOAT, [16], [0.01] * 16),
+            h.make_tensor("wz", tp.INT8, [16], [0] * 16),
+            h.make_tensor("b", tp.FLOAT, [16], [0.5] * 16)]
+    nodes = [h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             h.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=1),
+             h.make_node("MatMul", ["xd", "wd"], ["m"]),
+             h.make_node("Add", ["m", "b"], ["y"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", tp.FLOAT, [4, 32])],
+                         [h.make_tensor_value_info("y", tp.FLOAT, [4, 16])], init)
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 21)]),
+              str(tmp_path / "m.onnx"))
+    qonnx.session(tmp_path / "m.onnx", threads=1, optimized_model_path=str(tmp_path / "o.onnx"))
+    counts = qonnx.integer_kernel_counts(tmp_path / "o.onnx")
+    assert sum(counts.get(k, 0) for k in qonnx.INTEGER_KERNELS) == 1, counts
+    assert not any("Gemm" in k and k != "QGemm" for k in counts), counts
