@@ -84,6 +84,24 @@ def test_l2_kernel_walk_visits_the_same_ranges_as_the_vectorized_path():
         assert torch.equal(a, b)
 
 
+def test_l2_torch_path_takes_more_bins_than_quantile_steps_as_the_c_walk():
+    """More bins than torch.ao's 1e5 quantile steps (the observers take up to 2 ** 31 - 1):
+    the torch path (CUDA, or no C compiler) walked one step per bin, past its table of steps
+    (an IndexError); torch's loop stops within the steps, and so does the path, as the C
+    walk."""
+    from quantscope.estimators import l2
+
+    if l2._kernel() is None:
+        pytest.skip("no C compiler")
+    counts = torch.zeros(2, 100001, dtype=torch.long)  # the table: 100002 steps
+    counts[:, 100:200] = 3
+    counts[0, 50000] = 7
+    counts[1, -1] = 1
+    hist = Hist(counts, torch.tensor([-1.0, -2.0]), torch.tensor([1.0, 3.0]))
+    for a, b in zip(l2_range(hist, backend="kernel"), l2_range(hist, backend="torch")):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bins", [64, 256, 2048])
 def test_l2_kernel_terms_sum_to_l2_norms_bitwise(bins):
     from quantscope.estimators import l2

@@ -150,10 +150,11 @@ _BIG = torch.iinfo(torch.int64).max // 4
 
 
 def _step_bins(csum, total, alpha, beta):
-    """``(A, B) [U, bins + 2]``: the bin the start reaches after ``k`` alpha steps and the
-    end after ``k`` beta steps (step 0: the histogram's ends)."""
+    """``(A, B) [U, L]``: the bin the start reaches after ``k`` alpha steps and the end after
+    ``k`` beta steps (step 0: the histogram's ends), for ``L = bins + 2`` steps but at most
+    the table's (torch's loop stops within them: alpha meets beta)."""
     Bn = csum.shape[1]
-    ks = torch.arange(Bn + 2, device=csum.device)
+    ks = torch.arange(min(Bn + 2, alpha.numel()), device=csum.device)
     A = torch.searchsorted(csum, _thr(alpha[ks][None, :], total[:, None]), right=False)
     Bv = torch.searchsorted(csum, _thr(beta[ks][None, :], total[:, None]), right=True) - 1
     A[:, 0] = 0
