@@ -2,7 +2,12 @@
 path's walk (``l2_path``) on histograms where float32 thresholds tie the cumulative counts
 exactly, where the float32 cumulative sum passes the float64 total, where the end walks alone
 over fractional quantile steps, and on one-bin and sparse histograms; each is checked against
-the C walk (torch.ao's loop step by step) or torch.ao's search itself."""
+the C walk (torch.ao's loop step by step) or torch.ao's search itself. And, from a clean
+one-mutant-at-a-time rerun of the round: ``polish`` 0 is torch.ao's search alone, the
+power-of-two normalisation of the search scales by the larger of ``|lo|`` and ``|hi|`` and
+scales an explicit bin step with the ends, a global-scale spec's default global amax comes
+from the occupied bins or ``bounds``, and the moving end stays on its side of the fixed one
+where the data lie within a bin of zero."""
 
 import warnings
 
@@ -10,9 +15,11 @@ import pytest
 import torch
 from torch.ao.quantization import HistogramObserver as TorchHistogramObserver
 
-from quantscope import QuantSpec
+from quantscope import QuantSpec, presets
 from quantscope.estimators import l2
-from quantscope.estimators.l2 import l2_range
+from quantscope.estimators.histogram_mse import occupied_range
+from quantscope.estimators.l2 import l2_finalists, l2_polished_range, l2_range
+from quantscope.estimators.scorer import tensor_amax
 from quantscope.stats.histogram import Hist
 
 
@@ -115,3 +122,68 @@ def test_l2_finalists_move_lo_first_then_hi():
     fl, fh = l2.l2_finalists(_gauss_hist(), QuantSpec("uint4", symmetric=False))
     assert torch.equal(fh[:, 1], fh[:, 0]) and torch.equal(fl[:, 2], fl[:, 1])
     assert not torch.equal(fl[:, 1], fl[:, 0]) and not torch.equal(fh[:, 2], fh[:, 1])
+
+
+SPEC = QuantSpec("int8")
+SPARSE = CASES["sparse"]()
+
+
+def _hist(counts, lo, hi, step=None):
+    t = torch.tensor
+    return Hist(counts[None], t([lo]), t([hi]), False, None if step is None else t([step]))
+
+
+def test_polish_0_is_torch_aos_search_not_clipped_to_bounds():
+    """``radius=0``: no polish, the range is :func:`l2_range`'s, even where it passes
+    ``bounds`` (the finalists' clipping is part of the polish)."""
+    hist = _hist(SPARSE, -1.0, 1.0)
+    want = l2_range(hist)
+    bounds = (torch.tensor([-0.6]), torch.tensor([0.2]))
+    got = l2_polished_range(hist, SPEC, radius=0, bounds=bounds)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_search_is_normalised_by_the_larger_end():
+    """The search runs on the histogram scaled by a power of two to ``max(|lo|, |hi|)`` in
+    ``[0.5, 1)``: ends ``(-2 ** 100, 0)`` search as ``(-0.5, 0)``, scaled back by 2 ** 101."""
+    counts = SPARSE
+    got = l2_polished_range(_hist(counts, -2.0 ** 100, 0.0), SPEC, radius=0)
+    lo, hi = l2_range(_hist(counts, -0.5, 0.0))
+    assert torch.equal(got[0], lo * 2.0 ** 101) and torch.equal(got[1], hi * 2.0 ** 101)
+
+
+def test_normalised_search_scales_an_explicit_bin_step(monkeypatch):
+    """``Hist.step`` is the bin width ``(hi - lo) / B``: given explicitly, the normalised search
+    (torch path: the step places the range's ends) gives the same range as without it."""
+    monkeypatch.setattr(l2.kernels, "choose", lambda *a, **k: None)  # the torch path
+    counts = SPARSE
+    want = l2_polished_range(_hist(counts, -4.0, 4.0), SPEC, radius=0)
+    got = l2_polished_range(_hist(counts, -4.0, 4.0, step=1.0), SPEC, radius=0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_global_amax_defaults_to_the_occupied_bins_or_bounds(bounded):
+    """A global-scale spec's finalists are scored under the data's ``max |x|``: from
+    ``bounds`` when given, else from the occupied bins (not the histogram's empty ends)."""
+    counts = torch.zeros(64, dtype=torch.long)
+    counts[24:40] = torch.arange(1, 17) * 7 % 23 + 1
+    hist = _hist(counts, -8.0, 8.0)
+    bounds = (torch.tensor([-1.9]), torch.tensor([1.8])) if bounded else None
+    amax = tensor_amax(presets.NVFP4, *(bounds if bounded else occupied_range(hist)))
+    got = l2_finalists(hist, presets.NVFP4, 16, 8, bounds)
+    want = l2_finalists(hist, presets.NVFP4, 16, 8, bounds, amax)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("side", [0, 1])
+@pytest.mark.parametrize("width", [1.0, 4.0])
+def test_moving_end_stays_on_its_side_within_a_bin_of_zero(side, width):
+    """Where ``max |bounds|`` is at most one bin (exactly one included), the bound on the
+    moving end's far side becomes the fixed end: ``lo`` moves below ``hi``, ``hi`` above
+    ``lo``."""
+    lo, hi = torch.tensor([-0.25]), torch.tensor([0.5])
+    blo, bhi = torch.tensor([-1.0]), torch.tensor([0.75])
+    got = l2._stay_on_side(lo, hi, side, (blo, bhi), torch.tensor([width]))
+    want = (blo, hi) if side == 0 else (lo, bhi)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
