@@ -57,8 +57,10 @@ def test_a_folder_is_on_the_disk_before_the_swap_and_its_name_after(tmp_path, mo
     before, after = events[:events.index(swap)], events[events.index(swap) + 1:]
     assert swap[1:] == (new, "out")
     flushed = {e[1] for e in before if e[0] == "fsync"}
+    marker_temp = {p for p in flushed if os.path.basename(p).startswith(f".{atomic.MARKER}.")}
+    assert len(marker_temp) == 1  # the marker, before its rename (as in any folder: below)
     # every file (the marker too) and every folder's entries; a link is an entry, not data
-    assert flushed == {f"{new}/a.json", f"{new}/sub/b.safetensors", f"{new}/sub", new,
+    assert flushed - marker_temp == {f"{new}/a.json", f"{new}/sub/b.safetensors", f"{new}/sub", new,
                        f"{new}/{atomic.MARKER}"}
     assert after == [("fsync", ".")]  # the parent's entries: the rename itself
 
@@ -71,6 +73,22 @@ def test_a_file_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkeypa
     name = os.path.basename(tmp)
     assert events[:3] == [("fsync", name), ("swap", name, "report.md"), ("fsync", ".")]
     assert (tmp_path / "report.md").read_text() == "new"
+
+
+def test_a_report_added_to_an_output_folder_is_listed_on_the_disk(tmp_path, monkeypatch):
+    """A plot redrawn into a compare run is listed in the run's marker: the new marker on
+    the disk before its rename names it, the rename after (an empty or old marker after a
+    power loss would leave the run refused for ``overwrite``, or the plot unlisted)."""
+    with atomic.atomic_dir(tmp_path / "run") as tmp, open(os.path.join(tmp, "a.md"), "w") as f:
+        f.write("x")
+    events = _record(monkeypatch, tmp_path)
+    with atomic.atomic_file(tmp_path / "run" / "hist.png") as tmp, open(tmp, "w") as f:
+        f.write("png")
+    marker = [e for e in events if e[0] == "swap" and e[2] == f"run/{atomic.MARKER}"]
+    assert len(marker) == 1
+    at = events.index(marker[0])
+    assert events[at - 1] == ("fsync", marker[0][1]) and events[at + 1:] == [("fsync", "run")]
+    assert atomic._listed(str(tmp_path / "run")) == {"a.md", "hist.png"}
 
 
 @pytest.mark.parametrize("kind", ["folder", "file"])

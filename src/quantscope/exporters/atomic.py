@@ -178,6 +178,7 @@ def _write_marker(folder: str, names, kind: str | None = None) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     _public_modes(tmp)
+    flush(tmp)  # before its name: emptied by a power loss, it would leave the folder not ours
     os.replace(tmp, os.path.join(folder, MARKER))
 
 
@@ -188,6 +189,7 @@ def _record(path: str) -> None:
     listed = _listed(folder)
     if listed is not None and name not in listed:
         _write_marker(folder, listed | {name})
+        flush_entries(folder)  # the new marker's name: else a power loss may keep the old
 
 
 def _json_has(path: str, key: str) -> bool:
