@@ -92,6 +92,18 @@ def test_load_checks_many_units_and_their_one_global_value():
     assert torch.equal(b.qparams().scale, a.qparams().scale)
 
 
+@pytest.mark.parametrize("name", ["memoryless_mse", "imatrix_mse"])
+def test_a_scalar_global_amax_is_refused_by_name(name):
+    """The one global amax is saved as ``[1]``; a scalar in its place (a state edited) is
+    refused when loaded, naming the buffer (it loaded, and ``qparams`` then failed with a
+    bare IndexError)."""
+    a = get_observer(name, presets.NVFP4)
+    a(torch.randn(4, 32))
+    sd = {**a.state_dict(), "global_amax_val": a.state_dict()["global_amax_val"].reshape(())}
+    with pytest.raises(ValueError, match=r"global_amax_val has shape \[\]: it holds 1 dim"):
+        get_observer(name, presets.NVFP4).load_state_dict(sd)
+
+
 def test_a_0d_range_for_several_units_is_refused():
     spec = QuantSpec("int8", "channel")
     a = get_observer("static_minmax", spec)

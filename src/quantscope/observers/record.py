@@ -112,10 +112,11 @@ def check_units(state_dict, prefix, layout: Layout, sized, who: str, one_value=(
                 f"{'values' if one else 'units'}; " + ("it holds one value for the tensor"
                 if one else f"shape {shape} under {layout} has {units} (the state was "
                 f"saved by an observer of another layout, or edited)"))
-        if t.numel() and not one and t.dim() != NDIM.get(name, 1):
+        dims = 1 if one else NDIM.get(name, 1)  # (one value: [1], as saved; not a scalar)
+        if t.numel() and t.dim() != dims:
             raise ValueError(f"{who}: cannot load a state whose {name} has shape "
-                             f"{list(t.shape)}: it holds {NDIM.get(name, 1)} dimension(s), "
-                             f"the units first")
+                             f"{list(t.shape)}: it holds {dims} dimension(s)"
+                             + ("" if one else ", the units first"))
 
 
 def _filled_beside(state_dict, prefix, name: str) -> bool:
